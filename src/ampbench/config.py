@@ -1,0 +1,272 @@
+"""params.yaml into frozen dataclasses: the only reader of params.yaml.
+
+Every field has a default and a comment. Unknown keys and bad values raise
+``ConfigError`` with one line naming the key, the bad value and what is
+allowed. Integers are accepted where floats are expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+from ampbench.errors import ConfigError
+
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+PRECISIONS = ("fp32", "fp16", "bf16")
+
+
+def _opt(default: Any, *, choices: tuple | None = None, lo: float | None = None,
+         hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
+         nonempty: bool = False) -> Any:
+    """A dataclass field with its validation rules kept in metadata."""
+    meta = {"choices": choices, "lo": lo, "hi": hi, "lo_open": lo_open,
+            "hi_open": hi_open, "nonempty": nonempty}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = _opt("cifar10", choices=("cifar10", "synthetic"))  # real data or a learnable synthetic set
+    url: str = CIFAR10_URL        # where to download cifar-10-python.tar.gz (a mirror or file:// URL)
+    md5: str = CIFAR10_MD5        # checksum of that archive
+    archive: str = ""             # a local cifar-10-python.tar.gz to use instead of downloading
+    train_size: int = _opt(0, lo=0)  # training images to use (0 = all)
+    test_size: int = _opt(0, lo=0)   # evaluation images to use (0 = all)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str = _opt("resnet18", choices=("resnet18", "small_cnn"))  # ResNet-18 (CIFAR stem) | small CNN for CPUs
+    channels_last: bool = True    # NHWC memory layout, which tensor-core convolutions prefer
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = _opt(10, lo=1)              # passes over the training set
+    batch_size: int = _opt(256, lo=1)         # images per optimizer step (the effective batch)
+    lr: float = _opt(0.1, lo=0, lo_open=True)  # peak learning rate of the warm-up + cosine schedule
+    momentum: float = _opt(0.9, lo=0, hi=1, hi_open=True)  # SGD momentum
+    weight_decay: float = _opt(5e-4, lo=0)    # L2 penalty
+    warmup_steps: int = _opt(20, lo=0)        # first optimizer steps, excluded from timing
+    allow_tf32: bool = False                  # let fp32 matmuls/convolutions use TF32 tensor cores
+    eval_batch_size: int = _opt(1024, lo=1)   # images per evaluation batch
+
+
+@dataclass(frozen=True)
+class AmpConfig:
+    init_scale: float = _opt(8192.0, lo=0, lo_open=True)      # starting loss scale (PyTorch's default is 65536)
+    growth_factor: float = _opt(2.0, lo=1, lo_open=True)      # scale multiplier after growth_interval clean steps
+    backoff_factor: float = _opt(0.5, lo=0, hi=1, lo_open=True, hi_open=True)  # scale multiplier on overflow
+    growth_interval: int = _opt(2000, lo=1)                   # clean steps before the scale grows
+
+
+@dataclass(frozen=True)
+class Variant:
+    precision: str = _opt("fp32", choices=PRECISIONS)  # fp32 | fp16 (autocast + GradScaler) | bf16 (autocast)
+    accum_steps: int = _opt(1, lo=1)                   # micro-batches per optimizer step
+
+
+@dataclass(frozen=True)
+class MlflowConfig:
+    enabled: bool = True          # log runs to MLflow (results are on disk either way)
+    experiment: str = _opt("ampbench", nonempty=True)  # MLflow experiment name
+    tracking_uri: str = ""        # "" = $MLFLOW_TRACKING_URI, else sqlite:///<repo>/mlflow.db
+
+
+def _default_variants() -> dict[str, Variant]:
+    return {"fp32": Variant("fp32", 1), "amp": Variant("fp16", 1), "amp_accum": Variant("fp16", 4)}
+
+
+@dataclass(frozen=True)
+class Config:
+    device: str = _opt("auto", choices=("auto", "cuda", "cpu"))  # where to train
+    seed: int = _opt(0, lo=0)     # seed for weights, data order and augmentation
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    amp: AmpConfig = field(default_factory=AmpConfig)
+    variants: dict[str, Variant] = field(default_factory=_default_variants)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_VARIANT_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+def _where(path: str, value: Any) -> str:
+    return f"params.yaml: {path} = {value!r}"
+
+
+def _check_scalar(path: str, value: Any, typ: type, meta: dict) -> Any:
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, typ) and (typ is bool or not isinstance(value, bool))
+    if not ok:
+        raise ConfigError(f"{_where(path, value)} is not {_TYPE_NAMES[typ]}; set it to {_TYPE_NAMES[typ]}")
+    if meta.get("choices") and value not in meta["choices"]:
+        allowed = " | ".join(meta["choices"])
+        raise ConfigError(f"{_where(path, value)} is not allowed; choose one of: {allowed}")
+    if meta.get("nonempty") and not value.strip():
+        raise ConfigError(f"{_where(path, value)} is empty; give it a name")
+    lo, hi = meta.get("lo"), meta.get("hi")
+    if lo is not None and (value < lo or (meta["lo_open"] and value == lo)):
+        raise ConfigError(f"{_where(path, value)} is out of range; it must be {'>' if meta['lo_open'] else '>='} {lo}")
+    if hi is not None and (value > hi or (meta["hi_open"] and value == hi)):
+        raise ConfigError(f"{_where(path, value)} is out of range; it must be {'<' if meta['hi_open'] else '<='} {hi}")
+    return value
+
+
+def _build(cls: type, raw: Any, path: str) -> Any:
+    """Build dataclass ``cls`` from ``raw``, checking keys, types and ranges."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{_where(path, raw)} is not a mapping; write it as '{path}:' followed by indented keys")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            name = f"{path}.{key}" if path else str(key)
+            raise ConfigError(f"params.yaml: unknown key '{name}'; allowed here: {', '.join(fields)}")
+    values = {}
+    for name, f in fields.items():
+        if name not in raw:
+            continue
+        sub = f"{path}.{name}" if path else name
+        typ = hints[name]
+        if name == "variants":
+            values[name] = _build_variants(raw[name], sub)
+        elif dataclasses.is_dataclass(typ):
+            values[name] = _build(typ, raw[name], sub)
+        else:
+            values[name] = _check_scalar(sub, raw[name], typ, dict(f.metadata))
+    return cls(**values)
+
+
+def _build_variants(raw: Any, path: str) -> dict[str, Variant]:
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{_where(path, raw)} must be a non-empty mapping of name -> "
+                          "{precision, accum_steps}, e.g. 'fp32: {precision: fp32, accum_steps: 1}'")
+    out = {}
+    for name, spec in raw.items():
+        if not isinstance(name, str) or not _VARIANT_NAME.match(name):
+            raise ConfigError(f"params.yaml: variant name {name!r} is not allowed; use letters, digits, "
+                              "'_' or '-', starting with a letter")
+        out[name] = _build(Variant, spec, f"{path}.{name}")
+    return out
+
+
+def _cross_check(cfg: Config) -> None:
+    for name, v in cfg.variants.items():
+        if cfg.train.batch_size % v.accum_steps:
+            raise ConfigError(
+                f"params.yaml: variants.{name}.accum_steps = {v.accum_steps} does not divide "
+                f"train.batch_size = {cfg.train.batch_size}; choose a divisor of the batch size, e.g. 1, 2 or 4")
+    url = urlparse(cfg.data.url)
+    if url.scheme not in ("http", "https", "file") or not (url.netloc or url.path):
+        raise ConfigError(f"{_where('data.url', cfg.data.url)} is not a download URL; "
+                          "use http://, https:// or file:// (a mirror of cifar-10-python.tar.gz)")
+    if not re.fullmatch(r"[0-9a-f]{32}", cfg.data.md5):
+        raise ConfigError(f"{_where('data.md5', cfg.data.md5)} is not an MD5 checksum (32 hex digits)")
+    if cfg.data.source == "cifar10" and cfg.data.archive and not Path(cfg.data.archive).is_file():
+        raise ConfigError(f"{_where('data.archive', cfg.data.archive)}: no such file; give the path of a "
+                          "cifar-10-python.tar.gz, or set it to \"\" to download from data.url")
+
+
+def from_dict(raw: Any) -> Config:
+    """Validate a parsed params mapping and return the frozen ``Config``."""
+    if raw is None:
+        raise ConfigError("params.yaml is empty; copy the committed params.yaml and edit it")
+    cfg = _build(Config, raw, "")
+    _cross_check(cfg)
+    return cfg
+
+
+def load(path: str | Path = "params.yaml") -> Config:
+    """Read and validate params.yaml."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file; run from the repository root, where params.yaml lives")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or "not valid YAML"
+        raise ConfigError(f"{path}: broken YAML{where}: {problem}; fix the indentation or quoting there") from None
+    return from_dict(raw)
+
+
+def to_dict(cfg: Any) -> dict:
+    """A plain nested dict of a config dataclass."""
+    return dataclasses.asdict(cfg)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """``{"train": {"lr": 0.1}}`` -> ``{"train.lr": 0.1}``, for MLflow params and tables."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+# --- the run plan: what one train stage reads ---------------------------------------------
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything one ``train@<variant>`` stage reads, and nothing else.
+
+    env_check writes one plan file per variant; a train stage depends on its own
+    file, so editing ``amp.init_scale`` changes (and reruns) only the fp16 plans.
+    """
+
+    variant: str
+    precision: str
+    accum_steps: int
+    device: str                   # resolved: cuda or cpu
+    seed: int
+    model: ModelConfig
+    train: TrainConfig
+    amp: AmpConfig | None         # None unless precision is fp16 (no GradScaler otherwise)
+    mlflow: MlflowConfig
+
+
+def make_plan(cfg: Config, variant: str, device: str) -> RunPlan:
+    if variant not in cfg.variants:
+        raise ConfigError(f"variant {variant!r} is not in params.yaml variants; "
+                          f"defined: {', '.join(cfg.variants)}")
+    v = cfg.variants[variant]
+    return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
+                   seed=cfg.seed, model=cfg.model, train=cfg.train,
+                   amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow)
+
+
+def write_plan(plan: RunPlan, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_dict(plan), indent=2, sort_keys=True) + "\n")
+
+
+def read_plan(path: str | Path) -> RunPlan:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no run plan; run the env_check stage first (dvc repro)")
+    raw = json.loads(path.read_text())
+    return RunPlan(
+        variant=raw["variant"], precision=raw["precision"], accum_steps=raw["accum_steps"],
+        device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),
+        train=TrainConfig(**raw["train"]), amp=AmpConfig(**raw["amp"]) if raw["amp"] else None,
+        mlflow=MlflowConfig(**raw["mlflow"]))

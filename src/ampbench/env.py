@@ -1,0 +1,156 @@
+"""The environment probe: what this machine can run, and whether it fits params.yaml.
+
+``probe()`` returns a deterministic description of the hardware and software
+(no timestamps, no free-memory readings), so that ``reports/env.json`` changes
+only when the machine really changed. ``resolve_device()`` decides where the
+comparison runs, or stops it with the reason and the remedy.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from ampbench.errors import EnvironmentMismatch
+
+MIN_DRIVER = (545, 23)  # the article's minimum driver for CUDA 12.1-era fp16 kernels
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver version, from nvidia-smi when it is on PATH."""
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return None
+    try:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.strip().splitlines()[0] if out.strip() else None
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".") if p.isdigit())
+
+
+def probe() -> dict:
+    """Describe this machine's accelerator, software and CPU (deterministic)."""
+    info: dict = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_runtime": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "gpu": None,
+    }
+    if info["cuda_available"]:
+        idx = torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(idx)
+        cap = torch.cuda.get_device_capability(idx)
+        info["gpu"] = {
+            "name": props.name,
+            "count": torch.cuda.device_count(),
+            "capability": f"{cap[0]}.{cap[1]}",
+            "total_memory_bytes": props.total_memory,
+            "multiprocessors": props.multi_processor_count,
+            "driver": _driver_version(),
+            "tensor_cores": cap >= (7, 0),           # Volta and later
+            "fp16_tensor_cores": cap >= (7, 0),
+            "bf16_supported": torch.cuda.is_bf16_supported(including_emulation=False),
+            "tf32_capable": cap >= (8, 0),           # Ampere and later
+        }
+    return info
+
+
+def warnings_for(info: dict) -> list[str]:
+    """Human warnings about this environment (old driver, no tensor cores, CPU run)."""
+    out = []
+    gpu = info.get("gpu")
+    if gpu is None:
+        out.append("no CUDA GPU: fp16 autocast on a CPU is emulated and slower than fp32; "
+                   "the numbers describe this CPU, not what fp16 buys on a GPU")
+        return out
+    if gpu["driver"] and _version_tuple(gpu["driver"]) < MIN_DRIVER:
+        out.append(f"NVIDIA driver {gpu['driver']} is older than 545.23; update it for current fp16 kernels")
+    if not gpu["tensor_cores"]:
+        out.append(f"{gpu['name']} (compute capability {gpu['capability']}) has no tensor cores: "
+                   "fp16 will save memory but will not run much faster than fp32")
+    return out
+
+
+def resolve_device(requested: str, info: dict, precisions: set[str]) -> str:
+    """Return ``cuda`` or ``cpu`` for ``device: auto|cuda|cpu``, or stop with the remedy."""
+    has_cuda = info["cuda_available"]
+    if requested == "cuda" and not has_cuda:
+        raise EnvironmentMismatch(
+            "params.yaml: device = 'cuda' but torch sees no CUDA GPU here "
+            f"(torch {info['torch']}, CUDA runtime {info['cuda_runtime']}); "
+            "check nvidia-smi and the driver, or set device: cpu to run on the CPU")
+    if requested == "auto" and not has_cuda:
+        raise EnvironmentMismatch(
+            "params.yaml: device = 'auto' found no CUDA GPU. fp16 on a CPU is emulated and slower than "
+            "fp32, so the comparison would mislead. Run the CPU demo instead (make demo), "
+            "or set device: cpu in params.yaml to force the CPU run")
+    device = "cuda" if requested in ("auto", "cuda") else "cpu"
+    if device == "cuda" and "bf16" in precisions and info["gpu"] and not info["gpu"]["bf16_supported"]:
+        raise EnvironmentMismatch(
+            f"a variant asks for precision bf16 but {info['gpu']['name']} (compute capability "
+            f"{info['gpu']['capability']}) has no native bf16; remove that variant or use fp16")
+    return device
+
+
+def set_tf32(allow: bool) -> dict:
+    """Allow or forbid TF32 for fp32 matmuls and convolutions; return the flags now in force.
+
+    On Ampere and later, PyTorch runs fp32 convolutions in TF32 by default, so an
+    "FP32" baseline would really be TF32. The strict baseline sets IEEE fp32.
+    """
+    mode = "tf32" if allow else "ieee"
+    torch.backends.cuda.matmul.fp32_precision = mode
+    torch.backends.cudnn.conv.fp32_precision = mode
+    return tf32_flags()
+
+
+def tf32_flags() -> dict:
+    return {"matmul_fp32_precision": torch.backends.cuda.matmul.fp32_precision,
+            "cudnn_conv_fp32_precision": torch.backends.cudnn.conv.fp32_precision}
+
+
+def fingerprint(info: dict) -> str:
+    """A short, stable name for the environment, used as an MLflow tag."""
+    gpu = info.get("gpu")
+    where = f"{gpu['name']} sm{gpu['capability']}" if gpu else f"CPU {info['cpu_model']}"
+    return f"{where} | torch {info['torch']} | CUDA {info['cuda_runtime']}"
+
+
+def git_commit(where: Path | None = None) -> str:
+    """The commit of the ampbench code that ran (``-dirty`` if it has uncommitted changes)."""
+    where = where or Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")

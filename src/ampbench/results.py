@@ -1,0 +1,90 @@
+"""The files of one training run, ``reports/runs/<variant>/``: written by the train stage, read by the report.
+
+- ``metrics.json``: the run's numbers (DVC metrics)
+- ``history.csv``: one row per epoch (DVC plots)
+- ``loss_scale.csv``: every change of the fp16 loss scale, with its step
+- ``step_times.json``: the timed step times, for the report's confidence intervals
+
+Files are written under a temporary name and renamed, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def _csv_text(rows: list[dict], columns: list[str]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _clean(obj):
+    """NaN/inf are not JSON: store them as null ("missing"), never as a made-up number."""
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: list[dict],
+              step_times_ms: list[float]) -> None:
+    out_dir = Path(out_dir)
+    hist_cols = list(history[0]) if history else ["epoch"]
+    atomic_write(out_dir / HISTORY, _csv_text(history, hist_cols))
+    atomic_write(out_dir / SCALE, _csv_text(scale_history, ["step", "scale", "skipped"]))
+    write_json(out_dir / STEP_TIMES, [round(t, 4) for t in step_times_ms])
+    write_json(out_dir / METRICS, _clean(metrics))  # last: its presence means the run is complete
+
+
+def read_run(run_dir: Path) -> dict:
+    """One run's metrics, history rows, loss-scale changes and step times."""
+    run_dir = Path(run_dir)
+    out = {"metrics": json.loads((run_dir / METRICS).read_text()), "history": [], "scale": [], "step_times_ms": []}
+    if (run_dir / HISTORY).is_file():
+        with open(run_dir / HISTORY) as f:
+            out["history"] = list(csv.DictReader(f))
+    if (run_dir / SCALE).is_file():
+        with open(run_dir / SCALE) as f:
+            out["scale"] = list(csv.DictReader(f))
+    if (run_dir / STEP_TIMES).is_file():
+        out["step_times_ms"] = json.loads((run_dir / STEP_TIMES).read_text())
+    return out
+
+
+def read_runs(runs_dir: Path) -> dict[str, dict]:
+    """All complete runs under ``runs_dir`` (those with a metrics.json), by variant name."""
+    runs_dir = Path(runs_dir)
+    if not runs_dir.is_dir():
+        return {}
+    return {d.name: read_run(d) for d in sorted(runs_dir.iterdir()) if (d / METRICS).is_file()}

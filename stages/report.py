@@ -1,0 +1,41 @@
+"""Stage report: runs on disk -> reports/report.md, summary.json (DVC metrics) and figures.
+
+    python stages/report.py --params params.yaml --runs reports/runs --env reports/env.json \
+        --report reports/report.md --summary reports/summary.json --figures reports/figures
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from ampbench import config, report
+from ampbench.errors import run_cli
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--runs", required=True)
+    ap.add_argument("--env", required=True)
+    ap.add_argument("--report", required=True)
+    ap.add_argument("--summary", required=True)
+    ap.add_argument("--figures", required=True)
+    args = ap.parse_args()
+
+    cfg = config.load(args.params)
+    info = json.loads(Path(args.env).read_text())
+    md, summary_path, fig_dir = Path(args.report), Path(args.summary), Path(args.figures)
+    summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants))
+    print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
+
+    if cfg.mlflow.enabled:
+        from ampbench import tracking
+        tracking.safe_log_run(
+            cfg=cfg.mlflow, repo_root=Path.cwd(), run_name="report", params={"variants": list(summary["variants"])},
+            metrics={"variants": summary["variants"]}, history=None,
+            tags=tracking.run_tags("report", {}, info, stage="report"),
+            artifacts=[md, summary_path, fig_dir])
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,44 @@
+"""Stage train@<variant>: train one variant with the shared engine; write its run files; log to MLflow.
+
+    python stages/train.py --plan reports/plans/amp.json --data data/prepared --env reports/env.json \
+        --out reports/runs/amp
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from ampbench import config, data, engine, env, results
+from ampbench.errors import run_cli
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--plan", required=True, help="the variant's plan, written by env_check")
+    ap.add_argument("--data", required=True, help="the prepared data folder")
+    ap.add_argument("--env", required=True, help="env.json, written by env_check")
+    ap.add_argument("--out", required=True, help="folder for this variant's run files")
+    args = ap.parse_args()
+
+    plan = config.read_plan(args.plan)
+    info = json.loads(Path(args.env).read_text())
+    prepared = data.load_prepared(Path(args.data), plan.device)
+    result = engine.train(plan, prepared)
+    result.metrics["git_commit"] = env.git_commit()
+    result.metrics["env_fingerprint"] = env.fingerprint(info)
+    out = Path(args.out)
+    results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms)
+    print(f"train@{plan.variant}: final accuracy {result.metrics['final_acc']:.4f}, "
+          f"{result.metrics['imgs_per_s'] or 0:.0f} img/s -> {out}")
+
+    if plan.mlflow.enabled:  # results are on disk first; tracking can only add, never lose
+        from ampbench import tracking
+        tracking.safe_log_run(
+            cfg=plan.mlflow, repo_root=Path.cwd(), run_name=f"train@{plan.variant}",
+            params=config.to_dict(plan), metrics=result.metrics, history=result.history,
+            tags=tracking.run_tags(plan.variant, result.metrics, info, stage="train"),
+            artifacts=[out / results.METRICS, out / results.HISTORY, out / results.SCALE])
+
+
+if __name__ == "__main__":
+    run_cli(main)
