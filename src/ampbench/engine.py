@@ -46,6 +46,26 @@ def lr_lambda(total_steps: int):
     return f
 
 
+def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int,
+                         policy: PrecisionPolicy, scaler: torch.amp.GradScaler) -> torch.Tensor:
+    """Forward and backward ``x`` in micro-batches of ``micro``; return the batch's mean loss (on the device).
+
+    Each micro-batch's mean loss is weighted by its share of the batch, so the
+    summed gradients equal those of one full-batch step (for a short last
+    micro-batch too). With accum_steps = 4 that is the article's "divide the
+    loss by accum_steps".
+    """
+    n = len(y)
+    total = torch.zeros((), device=x.device)
+    for xs, ys in zip(x.split(micro), y.split(micro), strict=True):
+        with policy.autocast():
+            out = model(xs)
+            loss = F.cross_entropy(out, ys) * (len(ys) / n)
+        scaler.scale(loss).backward()  # scaled (fp16) so small gradients do not flush to zero
+        total += loss.detach().float()
+    return total
+
+
 def make_batches(plan: RunPlan, data: dict) -> tuple[DeviceBatches, DeviceBatches]:
     meta = data["meta"]
     common = dict(mean=meta["mean"], std=meta["std"], channels_last=plan.model.channels_last)
@@ -133,14 +153,7 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True) -> RunResult:
                 step_timer.start()
                 n = len(y)
                 opt.zero_grad(set_to_none=True)
-                for xs, ys in zip(x.split(micro), y.split(micro), strict=True):
-                    with policy.autocast():
-                        out = model(xs)
-                        # Weight each micro-batch's mean loss by its share of the batch: the summed
-                        # gradients then equal one full-batch step, for a short last batch too.
-                        loss = F.cross_entropy(out, ys) * (len(ys) / n)
-                    scaler.scale(loss).backward()  # scaled so small fp16 gradients do not flush to zero
-                    loss_sum += loss.detach().float() * n
+                loss_sum += accumulate_gradients(model, x, y, micro, policy, scaler) * n
                 scaler.step(opt)  # unscales, and skips the update if any gradient is inf/NaN
                 scaler.update()   # once per optimizer step, not per micro-batch
                 step_timer.stop()

@@ -1,0 +1,79 @@
+"""Shared fixtures: the real params.yaml, shrunk for a CPU; MLflow pointed at a temporary store."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import pickle
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from ampbench.sandbox import REPO_ROOT, merge
+
+SHRINK = {
+    "device": "cpu",
+    "data": {"source": "synthetic", "train_size": 128, "test_size": 64},
+    "model": {"arch": "small_cnn"},
+    "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 1, "eval_batch_size": 64},
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "requires_cuda" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture
+def real_params() -> dict:
+    """The committed params.yaml as a dict."""
+    return yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+
+
+@pytest.fixture
+def tiny_params(real_params) -> dict:
+    """The committed params.yaml shrunk to seconds on a CPU (same keys, same variants)."""
+    return merge(copy.deepcopy(real_params), SHRINK)
+
+
+@pytest.fixture(autouse=True)
+def tmp_mlflow(tmp_path, monkeypatch):
+    """Never log to the user's store: every test gets its own."""
+    uri = f"sqlite:///{tmp_path / 'mlflow-test.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    return uri
+
+
+def make_cifar_archive(folder: Path, per_batch: int = 6, test_count: int = 8, seed: int = 0) -> tuple[Path, str, dict]:
+    """A tiny cifar-10-python.tar.gz in CIFAR-10's own format; returns (path, md5, the arrays)."""
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        for name in names:
+            n = test_count if name == "test_batch" else per_batch
+            data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+            labels = [int(v) for v in rng.integers(0, 10, size=n)]
+            arrays[name] = (data, labels)
+            blob = pickle.dumps({b"batch_label": name.encode(), b"labels": labels, b"data": data,
+                                 b"filenames": [b"x.png"] * n}, protocol=2)
+            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+        meta = pickle.dumps({b"label_names": [b"c%d" % i for i in range(10)]}, protocol=2)
+        info = tarfile.TarInfo("cifar-10-batches-py/batches.meta")
+        info.size = len(meta)
+        tar.addfile(info, io.BytesIO(meta))
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "cifar-10-python.tar.gz"
+    path.write_bytes(buf.getvalue())
+    return path, hashlib.md5(buf.getvalue()).hexdigest(), arrays

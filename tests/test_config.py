@@ -1,0 +1,118 @@
+"""params.yaml validation: every bad value is one clear line naming the key and the fix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from ampbench import config
+from ampbench.errors import ConfigError
+
+
+def test_committed_params_are_the_articles_experiment(real_params):
+    cfg = config.from_dict(real_params)
+    assert cfg.data.source == "cifar10" and cfg.model.arch == "resnet18"
+    assert cfg.train.batch_size == 256 and cfg.amp.init_scale == 8192 and cfg.amp.growth_interval == 2000
+    assert {n: (v.precision, v.accum_steps) for n, v in cfg.variants.items()} == {
+        "fp32": ("fp32", 1), "amp": ("fp16", 1), "amp_accum": ("fp16", 4)}
+    assert cfg.train.allow_tf32 is False
+
+
+def test_every_field_has_a_default_matching_params_yaml(real_params):
+    """The dataclass defaults and the committed file agree, so a missing key means the documented value."""
+    assert config.to_dict(config.Config()) == config.to_dict(config.from_dict(real_params))
+
+
+def test_int_accepted_where_float_expected(real_params):
+    real_params["train"]["lr"] = 1
+    assert config.from_dict(real_params).train.lr == 1.0
+
+
+def test_bf16_variant_needs_no_code(real_params):
+    real_params["variants"]["bf16"] = {"precision": "bf16", "accum_steps": 1}
+    assert config.from_dict(real_params).variants["bf16"].precision == "bf16"
+
+
+def _set(d: dict, dotted: str, value):
+    *path, last = dotted.split(".")
+    for key in path:
+        d = d[key]
+    d[last] = value
+
+
+BAD = [  # (key, value, words the message must contain)
+    ("device", "gpu", ["device", "'gpu'", "auto | cuda | cpu"]),
+    ("seed", -1, ["seed", ">= 0"]),
+    ("seed", 1.5, ["seed", "integer"]),
+    ("data.source", "imagenet", ["data.source", "cifar10 | synthetic"]),
+    ("data.url", "ftp://x/y.tgz", ["data.url", "http"]),
+    ("data.url", "not a url", ["data.url"]),
+    ("data.md5", "xyz", ["data.md5", "32 hex"]),
+    ("data.archive", "/nonexistent/cifar.tgz", ["data.archive", "no such file"]),
+    ("data.train_size", -5, ["data.train_size", ">= 0"]),
+    ("data.test_size", "all", ["data.test_size", "integer"]),
+    ("model.arch", "vit", ["model.arch", "resnet18 | small_cnn"]),
+    ("model.channels_last", "yes", ["model.channels_last", "true or false"]),
+    ("train.epochs", 0, ["train.epochs", ">= 1"]),
+    ("train.batch_size", "256", ["train.batch_size", "integer"]),
+    ("train.batch_size", 0, ["train.batch_size", ">= 1"]),
+    ("train.lr", 0, ["train.lr", "> 0"]),
+    ("train.lr", "fast", ["train.lr", "number"]),
+    ("train.momentum", 1.0, ["train.momentum", "< 1"]),
+    ("train.weight_decay", -0.1, ["train.weight_decay", ">= 0"]),
+    ("train.warmup_steps", True, ["train.warmup_steps", "integer"]),
+    ("train.allow_tf32", 1, ["train.allow_tf32", "true or false"]),
+    ("amp.init_scale", 0, ["amp.init_scale", "> 0"]),
+    ("amp.growth_factor", 1.0, ["amp.growth_factor", "> 1"]),
+    ("amp.backoff_factor", 1.5, ["amp.backoff_factor", "< 1"]),
+    ("amp.growth_interval", 0, ["amp.growth_interval", ">= 1"]),
+    ("mlflow.experiment", "  ", ["mlflow.experiment", "empty"]),
+    ("mlflow.enabled", "no", ["mlflow.enabled", "true or false"]),
+    ("variants", {}, ["variants", "non-empty"]),
+    ("variants", ["fp32"], ["variants", "mapping"]),
+    ("variants.amp.precision", "fp8", ["variants.amp.precision", "fp32 | fp16 | bf16"]),
+    ("variants.amp_accum.accum_steps", 3, ["accum_steps = 3", "train.batch_size = 256", "divisor"]),
+    ("variants.amp.accum_steps", 0, ["variants.amp.accum_steps", ">= 1"]),
+    ("train.bogus", 1, ["unknown key 'train.bogus'", "allowed here"]),
+    ("bogus", 1, ["unknown key 'bogus'"]),
+    ("variants.amp.bogus", 1, ["unknown key 'variants.amp.bogus'"]),
+    ("amp", 5, ["amp", "mapping"]),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "words"), BAD, ids=[f"{k}={v!r}" for k, v, _ in BAD])
+def test_bad_value_names_key_value_and_fix(real_params, key, value, words):
+    params = copy.deepcopy(real_params)
+    _set(params, key, value)
+    with pytest.raises(ConfigError) as err:
+        config.from_dict(params)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for word in words:
+        assert word in msg, msg
+
+
+def test_empty_and_broken_files(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    with pytest.raises(ConfigError, match="empty"):
+        config.load(empty)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("train:\n  epochs: 3\n batch_size: [\n")
+    with pytest.raises(ConfigError, match="broken YAML at line"):
+        config.load(broken)
+    with pytest.raises(ConfigError, match="no such file"):
+        config.load(tmp_path / "missing.yaml")
+
+
+def test_plan_holds_only_what_the_variant_reads(real_params, tmp_path):
+    cfg = config.from_dict(real_params)
+    fp32, amp = config.make_plan(cfg, "fp32", "cpu"), config.make_plan(cfg, "amp", "cpu")
+    assert fp32.amp is None and amp.amp == cfg.amp
+    config.write_plan(amp, tmp_path / "amp.json")
+    assert config.read_plan(tmp_path / "amp.json") == amp
+    real_params["amp"]["init_scale"] = 1024
+    cfg2 = config.from_dict(real_params)
+    assert config.make_plan(cfg2, "fp32", "cpu") == fp32  # fp32's plan, and so its stage, does not change
+    assert config.make_plan(cfg2, "amp", "cpu") != amp

@@ -1,0 +1,178 @@
+"""Data: the real CIFAR-10 path (loopback HTTP, file://, local archive), checksums, synthetic data, batches."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampbench import data
+from ampbench.config import DataConfig
+from ampbench.errors import DataError
+from tests.conftest import make_cifar_archive
+
+
+@pytest.fixture
+def archive(tmp_path):
+    return make_cifar_archive(tmp_path / "served")
+
+
+@pytest.fixture
+def server(archive):
+    """A loopback HTTP server for the archive's folder; counts the requests it serves."""
+    path, _, _ = archive
+    hits = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            super().do_GET()
+            hits.append(self.path)  # a completed transfer (torchvision first probes for redirects)
+
+        def log_message(self, *args):
+            pass
+
+    class Server(http.server.ThreadingHTTPServer):
+        def handle_error(self, request, client_address):
+            pass  # the redirect probe hangs up mid-transfer
+
+    httpd = Server(("127.0.0.1", 0), functools.partial(Handler, directory=str(path.parent)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", hits
+    httpd.shutdown()
+
+
+def _check_prepared(out: Path, arrays: dict, meta: dict):
+    blob = torch.load(out / "train.pt", weights_only=True)
+    expected = torch.cat([torch.as_tensor(arrays[f"data_batch_{i}"][0]) for i in range(1, 6)]).reshape(-1, 3, 32, 32)
+    assert blob["images"].dtype == torch.uint8 and torch.equal(blob["images"], expected)
+    labels = sum((arrays[f"data_batch_{i}"][1] for i in range(1, 6)), [])
+    assert blob["labels"].tolist() == labels
+    test = torch.load(out / "test.pt", weights_only=True)
+    assert test["labels"].tolist() == arrays["test_batch"][1]
+    assert meta["train_count"] == 30 and meta["test_count"] == 8
+
+
+def test_download_from_loopback_mirror(tmp_path, archive, server):
+    _, md5, arrays = archive
+    base, hits = server
+    cfg = DataConfig(source="cifar10", url=f"{base}/cifar-10-python.tar.gz", md5=md5)
+    meta = data.prepare(cfg, 0, tmp_path / "prepared", tmp_path / "raw")
+    _check_prepared(tmp_path / "prepared", arrays, meta)
+    assert hits == ["/cifar-10-python.tar.gz"]
+    data.prepare(cfg, 0, tmp_path / "prepared", tmp_path / "raw")  # verified copy in the cache: no new download
+    assert len(hits) == 1
+
+
+def test_file_url_and_local_archive(tmp_path, archive):
+    path, md5, arrays = archive
+    meta = data.prepare(DataConfig(url=path.as_uri(), md5=md5), 0, tmp_path / "a", tmp_path / "raw")
+    _check_prepared(tmp_path / "a", arrays, meta)
+    meta = data.prepare(DataConfig(archive=str(path), md5=md5), 0, tmp_path / "b", tmp_path / "raw2")
+    _check_prepared(tmp_path / "b", arrays, meta)
+    assert not (tmp_path / "raw2" / data.ARCHIVE_NAME).exists()  # a local archive is read in place
+
+
+def test_corrupted_download_is_retried_once_then_fails_cleanly(tmp_path, archive, server):
+    path, md5, _ = archive
+    base, hits = server
+    path.write_bytes(path.read_bytes()[:-100])  # cut short on the server
+    out = tmp_path / "prepared"
+    cfg = DataConfig(url=f"{base}/cifar-10-python.tar.gz", md5=md5)
+    with pytest.raises(DataError, match="could not fetch a verified CIFAR-10 archive"):
+        data.prepare(cfg, 0, out, tmp_path / "raw")
+    assert len(hits) == 2
+    assert not out.exists() and not (tmp_path / "raw" / data.ARCHIVE_NAME).exists()
+    assert list(tmp_path.glob(".prepared*")) == []
+
+
+def test_corrupted_local_archive_fails_its_checksum(tmp_path, archive):
+    path, md5, _ = archive
+    bad = tmp_path / "bad.tar.gz"
+    bad.write_bytes(b"\x00" + path.read_bytes()[1:])
+    with pytest.raises(DataError, match="fails its MD5 check"):
+        data.prepare(DataConfig(archive=str(bad), md5=md5), 0, tmp_path / "prepared", tmp_path / "raw")
+    assert not (tmp_path / "prepared").exists()
+
+
+def test_failed_prepare_keeps_the_previous_set(tmp_path, archive):
+    path, md5, _ = archive
+    out = tmp_path / "prepared"
+    data.prepare(DataConfig(source="synthetic", train_size=16, test_size=8), 0, out, tmp_path / "raw")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(DataError):
+        data.prepare(DataConfig(archive=str(path), md5="0" * 32), 0, out, tmp_path / "raw")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_subset_sizes(tmp_path, archive):
+    path, md5, _ = archive
+    meta = data.prepare(DataConfig(archive=str(path), md5=md5, train_size=10, test_size=4), 0,
+                        tmp_path / "p", tmp_path / "raw")
+    assert (meta["train_count"], meta["test_count"]) == (10, 4)
+
+
+def test_synthetic_is_deterministic_and_learnable_shape():
+    x1, y1 = data.synthetic(64, seed=0, split_seed=1)
+    x2, y2 = data.synthetic(64, seed=0, split_seed=1)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert x1.shape == (64, 3, 32, 32) and x1.dtype == torch.uint8
+    assert int(y1.min()) >= 0 and int(y1.max()) < 10
+    x3, _ = data.synthetic(64, seed=0, split_seed=2)
+    assert not torch.equal(x1, x3)
+    # class signal: images of one class are closer to their class mean than to another class's mean
+    x, y = data.synthetic(2000, seed=0, split_seed=3)
+    means = torch.stack([x[y == c].float().mean(0) for c in range(10)])
+    d = torch.cdist(x.float().flatten(1), means.flatten(1))
+    assert (d.argmin(1) == y).float().mean() > 0.5
+
+
+def test_damaged_prepared_set_is_refused(tmp_path):
+    out = tmp_path / "p"
+    data.prepare(DataConfig(source="synthetic", train_size=16, test_size=8), 0, out, tmp_path / "raw")
+    blob = torch.load(out / "train.pt", weights_only=True)
+    blob["labels"][0] = 12
+    torch.save(blob, out / "train.pt")
+    with pytest.raises(DataError, match="labels outside"):
+        data.load_prepared(out, "cpu")
+    with pytest.raises(DataError, match="run the data stage"):
+        data.load_prepared(tmp_path / "nothing", "cpu")
+
+
+def test_crop_flip_without_padding_is_identity_or_mirror():
+    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.uint8).reshape(2, 3, 4, 4)
+    g = torch.Generator().manual_seed(0)
+    out = data.crop_flip(x, g, pad=0)
+    for i in range(2):
+        assert torch.equal(out[i], x[i]) or torch.equal(out[i], x[i].flip(-1))
+
+
+def test_crop_flip_shifts_within_padding():
+    x = torch.full((64, 3, 8, 8), 7, dtype=torch.uint8)
+    out = data.crop_flip(x, torch.Generator().manual_seed(0), pad=2)
+    assert out.shape == x.shape
+    zeros_rows = (out == 0).all(dim=(1, 3)).sum(dim=1)  # padded rows that came into view
+    assert int(zeros_rows.max()) <= 2 and int(zeros_rows.sum()) > 0
+
+
+def test_device_batches_cover_the_set_and_replay_per_epoch():
+    x, y = data.synthetic(70, 0, 1)
+    b = data.DeviceBatches(x, y, 32, [0.5] * 3, [0.25] * 3, augment=True, shuffle=True, channels_last=True, seed=3)
+    assert len(b) == 3
+    batches = list(b.epoch(0))
+    assert [len(yy) for _, yy in batches] == [32, 32, 6]
+    assert sorted(torch.cat([yy for _, yy in batches]).tolist()) == sorted(y.tolist())
+    assert batches[0][0].dtype == torch.float32
+    assert batches[0][0].is_contiguous(memory_format=torch.channels_last)
+    again = list(b.epoch(0))
+    assert all(torch.equal(a[0], c[0]) for a, c in zip(batches, again, strict=True))
+    assert not torch.equal(next(b.epoch(1))[0], batches[0][0])
+
+
+def test_data_config_rejects_nothing_it_should_accept():
+    assert replace(DataConfig(), train_size=5).train_size == 5

@@ -1,0 +1,105 @@
+"""The environment probe and the device decision."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from ampbench import env
+from ampbench.errors import EnvironmentMismatch
+from ampbench.sandbox import REPO_ROOT
+
+CPU_INFO = {"cuda_available": False, "torch": "2.x", "cuda_runtime": None, "gpu": None}
+
+
+def _gpu(**kw):
+    gpu = {"name": "Test GPU", "capability": "8.9", "driver": "550.54", "tensor_cores": True,
+           "bf16_supported": True, "tf32_capable": True}
+    gpu.update(kw)
+    return {"cuda_available": True, "torch": "2.x", "cuda_runtime": "12.4", "gpu": gpu}
+
+
+def test_probe_is_deterministic():
+    assert env.probe() == env.probe()
+    info = env.probe()
+    for key in ("torch", "cpu_model", "cpu_count", "cuda_available", "cudnn", "gpu"):
+        assert key in info
+
+
+def test_auto_without_cuda_stops_with_the_remedy():
+    with pytest.raises(EnvironmentMismatch) as err:
+        env.resolve_device("auto", CPU_INFO, {"fp32", "fp16"})
+    msg = str(err.value)
+    assert "emulated" in msg and "make demo" in msg and "device: cpu" in msg
+
+
+def test_cuda_requested_without_cuda_is_an_error():
+    with pytest.raises(EnvironmentMismatch, match="device = 'cuda'"):
+        env.resolve_device("cuda", CPU_INFO, {"fp32"})
+
+
+def test_cpu_and_cuda_resolve():
+    assert env.resolve_device("cpu", CPU_INFO, {"fp16"}) == "cpu"
+    assert env.resolve_device("auto", _gpu(), {"fp16", "bf16"}) == "cuda"
+    with pytest.raises(EnvironmentMismatch, match="no native bf16"):
+        env.resolve_device("auto", _gpu(bf16_supported=False, capability="7.0"), {"bf16"})
+
+
+def test_warnings_for_old_driver_and_no_tensor_cores():
+    assert any("545.23" in w for w in env.warnings_for(_gpu(driver="535.104")))
+    assert env.warnings_for(_gpu()) == []
+    assert any("no tensor cores" in w for w in env.warnings_for(_gpu(tensor_cores=False, capability="6.1")))
+    assert any("emulated" in w for w in env.warnings_for(CPU_INFO))
+
+
+def test_set_tf32_flags():
+    assert env.set_tf32(False) == {"matmul_fp32_precision": "ieee", "cudnn_conv_fp32_precision": "ieee"}
+    assert env.set_tf32(True)["matmul_fp32_precision"] == "tf32"
+    env.set_tf32(False)
+
+
+def _env_check(tmp_path, params: dict | str):
+    p = tmp_path / "params.yaml"
+    p.write_text(params if isinstance(params, str) else yaml.safe_dump(params))
+    (tmp_path / "reports").mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--params", str(p),
+                           "--env", str(tmp_path / "reports" / "env.json"), "--plans",
+                           str(tmp_path / "reports" / "plans")], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(env.probe()["cuda_available"], reason="this machine has CUDA")
+def test_env_check_stage_stops_on_a_cpu_with_device_auto(tmp_path, real_params):
+    proc = _env_check(tmp_path, real_params)
+    assert proc.returncode == 2
+    assert "make demo" in proc.stderr and "Traceback" not in proc.stderr
+    assert list((tmp_path / "reports").iterdir()) == []
+
+
+@pytest.mark.parametrize(("text", "words"), [
+    ("train: {batch_size: -4}\n", "train.batch_size = -4"),
+    ("variants: {amp: {precision: fp8}}\n", "variants.amp.precision = 'fp8'"),
+    ("train:\n  epochs: [\n", "broken YAML"),
+])
+def test_env_check_stage_bad_params_exit_2_one_line_nothing_written(tmp_path, text, words):
+    (tmp_path / "reports").mkdir()
+    (tmp_path / "reports" / "env.json").write_text("{}\n")
+    proc = _env_check(tmp_path, text)
+    assert proc.returncode == 2
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "reports" / "env.json").read_text() == "{}\n"
+    assert not (tmp_path / "reports" / "plans").exists()
+
+
+def test_env_check_stage_cpu_writes_env_and_plans(tmp_path, tiny_params):
+    proc = _env_check(tmp_path, tiny_params)
+    assert proc.returncode == 0, proc.stderr
+    assert "warning:" in proc.stdout
+    plans = sorted(p.name for p in (tmp_path / "reports" / "plans").iterdir())
+    assert plans == ["amp.json", "amp_accum.json", "fp32.json"]
+    first = (tmp_path / "reports" / "env.json").read_bytes()
+    _env_check(tmp_path, tiny_params)
+    assert (tmp_path / "reports" / "env.json").read_bytes() == first

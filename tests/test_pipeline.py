@@ -1,0 +1,110 @@
+"""End to end: the real `dvc repro` of the shrunk pipeline in a temporary git + DVC repository."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from ampbench import sandbox
+
+pytestmark = pytest.mark.slow
+VARIANTS = ["fp32", "amp", "amp_accum"]
+
+
+def _dvc(repo, *args):
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=sandbox.env_with_venv(),
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """Run the shrunk pipeline once for the module's tests; MLflow goes to the repo's own store."""
+    import copy
+
+    from tests.conftest import SHRINK
+    params = sandbox.merge(copy.deepcopy(yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())), SHRINK)
+    repo = sandbox.create(tmp_path_factory.mktemp("repo"), params)
+    mp = pytest.MonkeyPatch()
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # use the default: sqlite:///<repo>/mlflow.db
+    proc = _dvc(repo, "repro")
+    mp.undo()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return repo, proc
+
+
+def test_every_declared_output_exists(pipeline):
+    repo, _ = pipeline
+    r = repo / "reports"
+    assert json.loads((r / "env.json").read_text())["torch"]
+    assert sorted(p.name for p in (r / "plans").iterdir()) == sorted(f"{v}.json" for v in VARIANTS)
+    for f in ("train.pt", "test.pt", "meta.json"):
+        assert (repo / "data" / "prepared" / f).is_file()
+    for v in VARIANTS:
+        m = json.loads((r / "runs" / v / "metrics.json").read_text())
+        for key in ("variant", "precision", "accum_steps", "epochs", "batch_size", "imgs_per_s", "epoch_time_s",
+                    "peak_mem_bytes", "mem_meter", "final_acc", "best_acc", "final_loss", "final_loss_scale",
+                    "skipped_steps", "device", "git_commit"):
+            assert key in m, key
+        assert (r / "runs" / v / "history.csv").read_text().startswith("epoch,")
+    md = (r / "report.md").read_text()
+    assert all(f"| {v} |" in md for v in VARIANTS)
+    summary = json.loads((r / "summary.json").read_text())
+    assert set(summary["variants"]) == set(VARIANTS) and summary["variants"]["fp32"]["speedup"] == 1.0
+    assert (r / "figures" / "throughput.png").is_file()
+
+
+def test_dvc_metrics_and_lock(pipeline):
+    repo, _ = pipeline
+    shown = _dvc(repo, "metrics", "show", "--json")
+    assert shown.returncode == 0 and "speedup" in shown.stdout and "final_acc" in shown.stdout
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    assert {"env_check", "data", "train@fp32", "train@amp", "train@amp_accum", "report"} <= set(lock["stages"])
+
+
+def test_mlflow_has_a_run_per_stage(pipeline):
+    repo, _ = pipeline
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("ampbench")
+    runs = client.search_runs([exp.experiment_id])
+    by_name = {r.info.run_name: r for r in runs}
+    assert set(by_name) == {"train@fp32", "train@amp", "train@amp_accum", "report"}
+    amp = by_name["train@amp"]
+    assert amp.data.tags["precision"] == "fp16" and amp.data.tags["variant"] == "amp"
+    assert amp.data.params["amp.init_scale"] == "8192.0" and "final_acc" in amp.data.metrics
+    assert len(client.get_metric_history(amp.info.run_id, "epoch/eval_acc")) == 1
+    assert {a.path for a in client.list_artifacts(amp.info.run_id)} >= {"metrics.json", "history.csv"}
+    assert "report.md" in {a.path for a in client.list_artifacts(by_name["report"].info.run_id)}
+
+
+def test_editing_the_loss_scale_reruns_only_the_amp_stages(pipeline):
+    repo, _ = pipeline
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["amp"]["init_scale"] = 1024
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    before = (repo / "reports" / "runs" / "fp32" / "metrics.json").read_text()
+    proc = _dvc(repo, "repro")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Running stage 'train@amp'" in proc.stdout and "Running stage 'train@amp_accum'" in proc.stdout
+    assert "Running stage 'train@fp32'" not in proc.stdout and "Running stage 'data'" not in proc.stdout
+    assert (repo / "reports" / "runs" / "fp32" / "metrics.json").read_text() == before
+    assert json.loads((repo / "reports" / "runs" / "amp" / "metrics.json").read_text())["final_loss_scale"] == 1024
+
+
+def test_bad_params_stop_dvc_repro_and_change_nothing(pipeline):
+    repo, _ = pipeline
+    good = (repo / "params.yaml").read_text()
+    snapshot = {p: p.read_bytes() for p in (repo / "reports").rglob("*") if p.is_file()}
+    (repo / "params.yaml").write_text(good.replace("batch_size: 32", "batch_size: 30"))
+    try:
+        proc = _dvc(repo, "repro")
+    finally:
+        (repo / "params.yaml").write_text(good)
+    assert proc.returncode != 0
+    assert "does not divide train.batch_size = 30" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert {p: p.read_bytes() for p in (repo / "reports").rglob("*") if p.is_file()} == snapshot

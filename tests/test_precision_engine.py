@@ -1,0 +1,116 @@
+"""The precision policy and the one training loop: a step per precision, accumulation, skipped steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ampbench import config, data, engine, models
+from ampbench.config import AmpConfig
+from ampbench.precision import PrecisionPolicy, micro_batch_size
+
+
+def test_policy_per_precision():
+    fp32, fp16, bf16 = (PrecisionPolicy(p, "cpu", AmpConfig()) for p in ("fp32", "fp16", "bf16"))
+    lin = nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    for policy, dtype in ((fp32, torch.float32), (fp16, torch.float16), (bf16, torch.bfloat16)):
+        with policy.autocast():
+            assert lin(x).dtype == dtype
+    assert fp16.scaler().is_enabled() and not fp32.scaler().is_enabled() and not bf16.scaler().is_enabled()
+
+
+def test_scaler_takes_amp_params():
+    scaler = PrecisionPolicy("fp16", "cpu", AmpConfig(init_scale=1024, growth_factor=4.0, backoff_factor=0.25,
+                                                     growth_interval=7)).scaler()
+    assert scaler.get_scale() == 1024
+    assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (4.0, 0.25, 7)
+
+
+def test_micro_batch_size():
+    assert micro_batch_size(256, 4) == 64
+    with pytest.raises(ValueError):
+        micro_batch_size(256, 3)
+
+
+def _grads(model, x, y, micro, policy):
+    model.zero_grad(set_to_none=True)
+    loss = engine.accumulate_gradients(model, x, y, micro, policy, policy.scaler())
+    return loss, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("n", [32, 29])  # 29: a short last micro-batch still gives the full-batch gradient
+def test_accumulated_gradients_equal_the_full_batch(n):
+    torch.manual_seed(0)
+    model = models.build("small_cnn", channels_last=False, device="cpu").eval()  # BN in eval: batch-independent
+    x, y = torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
+    policy = PrecisionPolicy("fp32", "cpu", None)
+    full_loss, full = _grads(model, x, y, n, policy)
+    acc_loss, acc = _grads(model, x, y, 8, policy)
+    assert torch.allclose(full_loss, acc_loss, rtol=1e-6)
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(acc, full, strict=True))
+    assert worst < 1e-5
+
+
+def _plan(tiny_params, variant, **train):
+    tiny_params["train"].update(train)
+    return config.make_plan(config.from_dict(tiny_params), variant, "cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared")
+    data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, out, out / "raw")
+    return data.load_prepared(out, "cpu")
+
+
+@pytest.mark.parametrize("variant", ["fp32", "amp", "amp_accum", "bf16"])
+def test_one_epoch_per_precision(tiny_params, tiny_data, variant):
+    tiny_params["variants"]["bf16"] = {"precision": "bf16", "accum_steps": 2}
+    plan = _plan(tiny_params, variant)
+    result = engine.train(plan, tiny_data, progress=False)
+    m = result.metrics
+    assert m["variant"] == variant and m["optimizer_steps"] == 2 and m["timed_steps"] == 1
+    assert m["micro_batch_size"] == 32 // plan.accum_steps
+    assert torch.isfinite(torch.tensor(m["final_loss"])) and 0 <= m["final_acc"] <= 1
+    assert m["imgs_per_s"] > 0 and m["activation_bytes"] > 0 and m["peak_mem_bytes"] > 0
+    assert len(result.history) == 1 and len(result.step_times_ms) == 1
+    if plan.precision == "fp16":
+        assert m["final_loss_scale"] == 8192 and result.scale_history[0] == {"step": 0, "scale": 8192.0,
+                                                                              "skipped": False}
+    else:
+        assert m["final_loss_scale"] is None and result.scale_history == []
+
+
+def test_fp16_saves_activation_memory(tiny_params, tiny_data):
+    fp32 = engine.train(_plan(tiny_params, "fp32"), tiny_data, progress=False).metrics
+    amp = engine.train(_plan(tiny_params, "amp"), tiny_data, progress=False).metrics
+    accum = engine.train(_plan(tiny_params, "amp_accum"), tiny_data, progress=False).metrics
+    assert amp["activation_bytes"] < 0.75 * fp32["activation_bytes"]
+    assert accum["activation_bytes"] < 0.4 * amp["activation_bytes"]  # a quarter of the batch per forward
+
+
+def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeypatch):
+    """An inf gradient: the step is skipped (weights unchanged), counted, and the scale backs off."""
+    real = engine.accumulate_gradients
+    calls = {"n": 0}
+
+    def poisoned(model, *args):
+        loss = real(model, *args)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            next(model.parameters()).grad[0].fill_(float("inf"))
+        return loss
+
+    monkeypatch.setattr(engine, "accumulate_gradients", poisoned)
+    result = engine.train(_plan(tiny_params, "amp"), tiny_data, progress=False)
+    m = result.metrics
+    assert m["skipped_steps"] == 1 and m["final_loss_scale"] == 4096
+    assert result.scale_history[1] == {"step": 1, "scale": 4096.0, "skipped": True}
+
+
+def test_lr_schedule_warms_up_then_decays():
+    f = engine.lr_lambda(100)
+    assert f(0) == pytest.approx(0.2) and f(4) == pytest.approx(1.0)
+    assert f(50) < 1 and f(99) < 0.01
