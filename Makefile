@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install repro demo test lint mlflow-ui
+.PHONY: install repro demo test lint mlflow-ui bench gpu-check
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,3 +27,9 @@ test: lint
 
 mlflow-ui: install
 	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --port 5000
+
+bench: install
+	python benchmarks/overhead.py
+
+gpu-check: install
+	python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json

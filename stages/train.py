@@ -23,7 +23,7 @@ def main() -> None:
     plan = config.read_plan(args.plan)
     info = json.loads(Path(args.env).read_text())
     prepared = data.load_prepared(Path(args.data), plan.device)
-    result = engine.train(plan, prepared)
+    result = engine.train_repeats(plan, prepared)
     result.metrics["git_commit"] = env.git_commit()
     result.metrics["env_fingerprint"] = env.fingerprint(info)
     out = Path(args.out)

@@ -30,8 +30,11 @@ def server(archive):
 
     class Handler(http.server.SimpleHTTPRequestHandler):
         def do_GET(self):  # noqa: N802 (http.server's name)
+            if self.headers.get("Method") == "HEAD":  # torchvision's redirect probe: headers only
+                self.do_HEAD()
+                return
+            hits.append(self.path)
             super().do_GET()
-            hits.append(self.path)  # a completed transfer (torchvision first probes for redirects)
 
         def log_message(self, *args):
             pass
@@ -145,19 +148,27 @@ def test_damaged_prepared_set_is_refused(tmp_path):
 
 
 def test_crop_flip_without_padding_is_identity_or_mirror():
-    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.uint8).reshape(2, 3, 4, 4)
-    g = torch.Generator().manual_seed(0)
-    out = data.crop_flip(x, g, pad=0)
+    x = torch.arange(2 * 4 * 4 * 3, dtype=torch.uint8).reshape(2, 4, 4, 3)  # NHWC
+    out = data.crop_flip(x, torch.Generator().manual_seed(0), pad=0)
     for i in range(2):
-        assert torch.equal(out[i], x[i]) or torch.equal(out[i], x[i].flip(-1))
+        assert torch.equal(out[i], x[i]) or torch.equal(out[i], x[i].flip(1))
 
 
 def test_crop_flip_shifts_within_padding():
-    x = torch.full((64, 3, 8, 8), 7, dtype=torch.uint8)
+    x = torch.full((64, 8, 8, 3), 7, dtype=torch.uint8)
     out = data.crop_flip(x, torch.Generator().manual_seed(0), pad=2)
     assert out.shape == x.shape
-    zeros_rows = (out == 0).all(dim=(1, 3)).sum(dim=1)  # padded rows that came into view
-    assert int(zeros_rows.max()) <= 2 and int(zeros_rows.sum()) > 0
+    zero_rows = (out == 0).all(dim=(2, 3)).sum(dim=1)  # padded rows that came into view
+    assert int(zero_rows.max()) <= 2 and int(zero_rows.sum()) > 0
+    kept = out[(out != 0).all(dim=(1, 2, 3))]
+    assert torch.equal(kept, x[: len(kept)])  # unshifted images are untouched
+
+
+def test_crop_flip_moves_whole_pixels():
+    x = torch.randint(0, 255, (16, 8, 8, 3), dtype=torch.uint8)
+    x[..., 1], x[..., 2] = x[..., 0], x[..., 0]  # all channels equal: a gather that mixed channels would break it
+    out = data.crop_flip(x, torch.Generator().manual_seed(1), pad=2)
+    assert torch.equal(out[..., 0], out[..., 1]) and torch.equal(out[..., 0], out[..., 2])
 
 
 def test_device_batches_cover_the_set_and_replay_per_epoch():

@@ -62,3 +62,64 @@ def test_optimizer_state_bytes():
     p.grad = torch.ones(10)
     opt.step()
     assert measure.optimizer_state_bytes(opt) == 40
+
+
+def test_ratio_interval_from_repeats_matches_hand_computation():
+    import math
+    ratio, lo, hi = measure.ratio_ci_from_repeats([30.0, 32.0, 28.0], [10.0, 11.0, 9.0])
+    assert ratio == pytest.approx(3.0)
+    se = math.sqrt(2.0 ** 2 / (3 * 30.0 ** 2) + 1.0 ** 2 / (3 * 10.0 ** 2))
+    assert lo == pytest.approx(3.0 * math.exp(-4.303 * se)) and hi == pytest.approx(3.0 * math.exp(4.303 * se))
+
+
+def test_flop_count_of_a_known_layer():
+    from ampbench import flops
+    lin = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10, bias=False))
+    x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+    # forward 2*in*out per image; backward: weight gradient only (the input needs none), another 2*in*out
+    assert flops.train_flops_per_image(lin, x, y) == 2 * (2 * 3072 * 10)
+
+
+def test_datasheet_peaks():
+    from ampbench import flops
+    assert flops.datasheet_peak("NVIDIA H200", "bf16") == 989.4
+    assert flops.datasheet_peak("NVIDIA L40S", "fp16") is None  # not L4
+    assert flops.datasheet_peak(None, "fp16") is None
+    assert flops.peak_precision("fp32", allow_tf32=True) == "tf32"
+
+
+class _FakeEvent:
+    log: list = []
+
+    def __init__(self, enable_timing=False):
+        self.t = None
+
+    def record(self):
+        _FakeEvent.log.append("record")
+        self.t = len(_FakeEvent.log)
+
+    def elapsed_time(self, other):
+        return float(other.t - self.t)
+
+
+def test_cuda_timer_records_events_and_syncs_only_when_read(monkeypatch):
+    """In the timed loop only events are recorded; the one sync happens when the times are read."""
+    _FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: _FakeEvent.log.append("sync"))
+    timer = measure.StepTimer.__new__(measure.StepTimer)
+    timer.cuda, timer._open, timer._pairs = True, [], []
+    for _ in range(3):
+        timer.start()
+        timer.stop()
+    assert _FakeEvent.log == ["record"] * 6
+    assert timer.read_ms() == [1.0, 1.0, 1.0]
+    assert _FakeEvent.log[-1] == "sync" and _FakeEvent.log.count("sync") == 1
+
+
+def test_wall_clock_syncs_before_and_after(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
+    with measure.wall_clock("cuda") as clock:
+        calls.append("work")
+    assert calls == ["sync", "work", "sync"] and clock["s"] >= 0

@@ -41,7 +41,8 @@ def test_summary_ratios(runs, tmp_path):
     assert amp["acc_diff"] == pytest.approx(-0.01)
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(s))
     md = (tmp_path / "report.md").read_text()
-    assert "| amp | fp16 | 1 | 2,560 | 3.00x (3.00 to 3.00) |" in md
+    assert "| amp | fp16 | 1 | 2,560 (2,327 to 2,844) | 3.00x (3.00 to 3.00) |" in md
+    assert "bootstrap over step times" in md
     assert "-40%" in md and "-1.00 pts" in md and "removed" not in md
     assert "quoted, not measured here" in md and "3.2x" in md
     assert (tmp_path / "fig" / "throughput.png").stat().st_size > 1000
@@ -61,3 +62,15 @@ def test_no_fp32_variant_means_no_ratios(runs, tmp_path):
     s = report.build(runs, ENV, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["amp"])
     assert s["baseline"] is None and "speedup" not in s["variants"]["amp"]
     assert "no fp32 variant" in (tmp_path / "r.md").read_text().lower()
+
+
+def test_speedup_interval_from_repeats(runs, tmp_path):
+    for name, ips in (("fp32", [1000.0, 1100.0, 900.0]), ("amp", [3000.0, 3100.0, 2900.0])):
+        m = json.loads((runs / name / "metrics.json").read_text())
+        m["imgs_per_s_runs"], m["repeats"] = ips, 3
+        results.write_json(runs / name / "metrics.json", m)
+    s = report.build(runs, ENV, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "amp"])
+    amp = s["variants"]["amp"]
+    assert amp["speedup"] == pytest.approx(3.0) and "repeats (3 vs 3)" in amp["speedup_ci_method"]
+    lo, hi = amp["speedup_ci95"]
+    assert 2.0 < lo < 3.0 < hi < 4.0

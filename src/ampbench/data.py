@@ -147,15 +147,13 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, raw_dir: Path) -> dict:
         splits = {"train": _subset(*full["train"], cfg.train_size, seed),
                   "test": _subset(*full["test"], cfg.test_size, seed + 1)}
         origin = {"source": "cifar10", "md5": cfg.md5}
-    train_x = splits["train"][0].float() / 255
     meta = {
         **origin,
         "train_count": len(splits["train"][1]),
         "test_count": len(splits["test"][1]),
         "num_classes": NUM_CLASSES,
         "image_shape": list(IMAGE_SHAPE),
-        "mean": [round(v, 6) for v in train_x.mean(dim=(0, 2, 3)).tolist()],
-        "std": [round(v, 6) for v in train_x.std(dim=(0, 2, 3)).tolist()],
+        **_stats(splits["train"][0]),
     }
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -171,6 +169,19 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, raw_dir: Path) -> dict:
         if tmp.exists():
             shutil.rmtree(tmp)
     return meta
+
+
+def _stats(images: torch.Tensor) -> dict:
+    x = images.float() / 255
+    return {"mean": [round(v, 6) for v in x.mean(dim=(0, 2, 3)).tolist()],
+            "std": [round(v, 6) for v in x.std(dim=(0, 2, 3)).tolist()]}
+
+
+def synthetic_in_memory(n_train: int, n_test: int, seed: int, device: str | torch.device) -> dict:
+    """The synthetic set built in memory, in ``load_prepared``'s form (for benchmarks: no files)."""
+    train, test = synthetic(n_train, seed, seed + 1), synthetic(n_test, seed, seed + 2)
+    meta = {"source": "synthetic", "seed": seed, "train_count": n_train, "test_count": n_test, **_stats(train[0])}
+    return {"meta": meta, "train": tuple(t.to(device) for t in train), "test": tuple(t.to(device) for t in test)}
 
 
 def load_prepared(folder: Path, device: str | torch.device) -> dict:
@@ -208,7 +219,8 @@ class DeviceBatches:
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
                  augment: bool, shuffle: bool, channels_last: bool, seed: int = 0):
-        self.images, self.labels = images, labels
+        # Stored NHWC: cropping gathers whole pixels, and the batch comes out channels_last with no copy.
+        self.images, self.labels = images.permute(0, 2, 3, 1).contiguous(), labels
         self.batch_size, self.augment, self.shuffle = batch_size, augment, shuffle
         self.channels_last, self.seed = channels_last, seed
         dev = images.device
@@ -231,23 +243,28 @@ class DeviceBatches:
                 x, y = self.images[idx], self.labels[idx]
             if self.augment:
                 x = crop_flip(x, g)
-            x = (x.float() - self.mean) * self.inv_std
-            if self.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+            x = x.permute(0, 3, 1, 2).float().sub_(self.mean).mul_(self.inv_std)  # one new tensor, channels_last
+            if not self.channels_last:
+                x = x.contiguous()
             yield x, y
 
 
 def crop_flip(x: torch.Tensor, g: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Random crop after ``pad``-pixel zero padding, and random horizontal flip, in one gather."""
-    n, c, h, w = x.shape
+    """Random crop after ``pad``-pixel zero padding, and random horizontal flip, of NHWC images, as one gather.
+
+    Each output pixel's source index in the padded image is computed per sample
+    (row offset, column offset, columns reversed for a flip); one ``gather``
+    then moves the uint8 pixels, several times faster than four-way indexing.
+    """
+    n, h, w, c = x.shape
     dev = x.device
-    padded = F.pad(x, (pad, pad, pad, pad))
-    dy = torch.randint(0, 2 * pad + 1, (n,), device=dev, generator=g)
-    dx = torch.randint(0, 2 * pad + 1, (n,), device=dev, generator=g)
-    flip = torch.rand(n, device=dev, generator=g) < 0.5
-    cols = torch.arange(w, device=dev)
-    cols = torch.where(flip[:, None], cols.flip(0), cols)  # a flip is reversed column order
-    rows = (dy[:, None] + torch.arange(h, device=dev))[:, None, :, None]
-    cols = (dx[:, None] + cols)[:, None, None, :]
-    return padded[torch.arange(n, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None],
-                  rows, cols]
+    hp, wp = h + 2 * pad, w + 2 * pad
+    padded = F.pad(x, (0, 0, pad, pad, pad, pad)).view(n, hp * wp, c)
+    dy = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev, generator=g)
+    dx = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev, generator=g)
+    flip = torch.rand(n, 1, 1, device=dev, generator=g) < 0.5
+    cols = torch.arange(w, device=dev).view(1, 1, w)
+    cols = torch.where(flip, w - 1 - cols, cols)
+    rows = torch.arange(h, device=dev).view(1, h, 1)
+    idx = ((dy + rows) * wp + dx + cols).view(n, h * w, 1).expand(n, h * w, c)
+    return padded.gather(1, idx).view(n, h, w, c)

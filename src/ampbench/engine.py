@@ -10,6 +10,7 @@ writing it to disk is the caller's job (see ``results.py``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ampbench import measure, models
+from ampbench import flops, measure, models
 from ampbench.config import RunPlan
 from ampbench.data import DeviceBatches
 from ampbench.env import set_tf32
@@ -119,8 +120,10 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True) -> RunResult:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(plan.train.epochs * steps_per_epoch))
     micro = micro_batch_size(plan.train.batch_size, plan.accum_steps)
 
-    first_x, _ = next(train_batches.epoch(0))
+    first_x, first_y = next(train_batches.epoch(0))
     act_bytes = activation_bytes(model, first_x[:micro], policy)
+    flops_per_image = flops.train_flops_per_image(model, first_x[:8], first_y[:8])  # per image: 8 suffice
+    step_model = torch.compile(model) if plan.train.compile else model
     measure.reset_peak_memory(device)
 
     step_timer, data_timer = measure.StepTimer(device), measure.StepTimer(device)
@@ -153,7 +156,7 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True) -> RunResult:
                 step_timer.start()
                 n = len(y)
                 opt.zero_grad(set_to_none=True)
-                loss_sum += accumulate_gradients(model, x, y, micro, policy, scaler) * n
+                loss_sum += accumulate_gradients(step_model, x, y, micro, policy, scaler) * n
                 scaler.step(opt)  # unscales, and skips the update if any gradient is inf/NaN
                 scaler.update()   # once per optimizer step, not per micro-batch
                 step_timer.stop()
@@ -233,7 +236,48 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True) -> RunResult:
         "train_images": len(data["train"][1]), "test_images": len(data["test"][1]),
         "data_source": data["meta"]["source"],
     }
+    ips, peak_prec = result.metrics["imgs_per_s"], flops.peak_precision(plan.precision, plan.train.allow_tf32)
+    peak = flops.datasheet_peak(result.metrics["device_name"] if device.type == "cuda" else None, peak_prec)
+    achieved = flops_per_image * ips / 1e12 if ips else None
+    result.metrics.update({
+        "train_flops_per_image": flops_per_image,            # forward + backward, torch.utils.flop_counter
+        "achieved_tflops": achieved,                         # end to end, after warm-up
+        "peak_tflops_datasheet": peak, "peak_precision": peak_prec,
+        "fraction_of_peak": achieved / peak if achieved and peak else None,
+        "compiled": plan.train.compile,
+    })
     if step_stats["n"] == 0:
         result.metrics["timing_note"] = (f"no step was timed: all {global_step} steps fell within "
                                          f"train.warmup_steps = {plan.train.warmup_steps}")
     return result
+
+
+REPEATED = ("imgs_per_s", "compute_imgs_per_s", "final_acc", "best_acc", "final_loss", "achieved_tflops",
+            "epoch_time_s")
+
+
+def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True) -> RunResult:
+    """Train ``plan.train.repeats`` times with seeds seed, seed+1, ...; mean and spread across them.
+
+    The first repeat's history is the run's history; step times are pooled.
+    """
+    runs = []
+    for i in range(plan.train.repeats):
+        if progress and plan.train.repeats > 1:
+            tqdm.write(f"[{plan.variant}] repeat {i + 1}/{plan.train.repeats} (seed {plan.seed + i})")
+        runs.append(train(dataclasses.replace(plan, seed=plan.seed + i), data, progress=progress))
+    out = RunResult(metrics=dict(runs[0].metrics), history=runs[0].history, scale_history=runs[0].scale_history,
+                    step_times_ms=[t for r in runs for t in r.step_times_ms])
+    m = out.metrics
+    for key in REPEATED:
+        values = [r.metrics[key] for r in runs if r.metrics.get(key) is not None]
+        mean, std = measure.mean_std(values) if values else (None, None)
+        m[key], m[f"{key}_std"], m[f"{key}_runs"] = mean, (std if len(values) > 1 else None), values
+    m["repeats"] = len(runs)
+    m["seeds"] = [plan.seed + i for i in range(len(runs))]
+    m["skipped_steps"] = sum(r.metrics["skipped_steps"] for r in runs)
+    m["step_time_ms"] = measure.summarize_ms(out.step_times_ms)
+    for key in ("peak_mem_bytes", "peak_reserved_bytes"):
+        values = [r.metrics[key] for r in runs if r.metrics.get(key) is not None]
+        m[key] = max(values) if values else None
+    return out

@@ -166,3 +166,25 @@ def bootstrap_ratio_ci(base: list[float], other: list[float], *, rounds: int = 2
     alpha = (1 - level) / 2 * 100
     r = ratios.tolist()
     return percentile(r, alpha), percentile(r, 100 - alpha)
+
+
+# two-sided 95% Student t quantiles by degrees of freedom (1..30); 1.96 beyond
+_T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042]
+
+
+def t975(df: int) -> float:
+    return _T975[df - 1] if 1 <= df <= len(_T975) else 1.96
+
+
+def ratio_ci_from_repeats(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """mean(num) / mean(den) with a 95% interval from independent repeats (delta method on the log ratio).
+
+    With throughputs, num = a variant's img/s per repeat and den = the baseline's gives the speedup.
+    """
+    (mn, sn), (md, sd) = mean_std(num), mean_std(den)
+    ratio = mn / md
+    se = math.sqrt(sn ** 2 / (len(num) * mn ** 2) + sd ** 2 / (len(den) * md ** 2))
+    t = t975(min(len(num), len(den)) - 1)
+    return ratio, ratio * math.exp(-t * se), ratio * math.exp(t * se)

@@ -40,6 +40,29 @@ def _ratio(a, b) -> float | None:
     return a / b
 
 
+def _ips_spread(m: dict) -> list[float] | None:
+    """img/s at the p90 and p10 step times: the spread of throughput across steps."""
+    st, bs = m.get("step_time_ms") or {}, m.get("batch_size")
+    if not (bs and st.get("p10") and st.get("p90")):
+        return None
+    return [bs / st["p90"] * 1000, bs / st["p10"] * 1000]
+
+
+def _speedup_with_ci(base: dict, run: dict) -> dict:
+    """Speedup over the baseline and its 95% interval: from repeats when both have 2+, else a bootstrap."""
+    bm, m = base["metrics"], run["metrics"]
+    b_runs, v_runs = bm.get("imgs_per_s_runs") or [], m.get("imgs_per_s_runs") or []
+    if len(b_runs) >= 2 and len(v_runs) >= 2:
+        ratio, lo, hi = measure.ratio_ci_from_repeats(v_runs, b_runs)
+        return {"speedup": ratio, "speedup_ci95": [lo, hi],
+                "speedup_ci_method": f"t-interval over repeats ({len(v_runs)} vs {len(b_runs)})"}
+    b_ms = (bm.get("step_time_ms") or {}).get("median")
+    ratio = _ratio(b_ms, (m.get("step_time_ms") or {}).get("median"))  # same step times as the interval
+    lo, hi = measure.bootstrap_ratio_ci(base["step_times_ms"], run["step_times_ms"])
+    return {"speedup": ratio, "speedup_ci95": [None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
+            "speedup_ci_method": "bootstrap over step times (median ratio)"}
+
+
 def summarize(runs: dict[str, dict]) -> dict:
     """Per-variant figures and ratios against the fp32 baseline."""
     base = pick_baseline(runs)
@@ -53,13 +76,17 @@ def summarize(runs: dict[str, dict]) -> dict:
             "step_time_ms_median": (m.get("step_time_ms") or {}).get("median"),
             "peak_mem_bytes": m.get("peak_mem_bytes"), "activation_bytes": m.get("activation_bytes"),
             "final_acc": m.get("final_acc"), "best_acc": m.get("best_acc"),
-            "skipped_steps": m.get("skipped_steps"),
+            "skipped_steps": m.get("skipped_steps"), "repeats": m.get("repeats", 1),
+            "imgs_per_s_std": m.get("imgs_per_s_std"), "final_acc_std": m.get("final_acc_std"),
+            "imgs_per_s_p10_p90": _ips_spread(m),
+            "peak_reserved_bytes": m.get("peak_reserved_bytes"), "mem_meter": m.get("mem_meter"),
+            "param_bytes": m.get("param_bytes"), "grad_bytes": m.get("grad_bytes"),
+            "optimizer_state_bytes": m.get("optimizer_state_bytes"),
+            "achieved_tflops": m.get("achieved_tflops"), "fraction_of_peak": m.get("fraction_of_peak"),
+            "peak_tflops_datasheet": m.get("peak_tflops_datasheet"), "peak_precision": m.get("peak_precision"),
         }
         if base:
-            b_ms = (bm.get("step_time_ms") or {}).get("median")
-            row["speedup"] = _ratio(b_ms, row["step_time_ms_median"])  # same step times as the interval
-            lo, hi = measure.bootstrap_ratio_ci(runs[base]["step_times_ms"], run["step_times_ms"])
-            row["speedup_ci95"] = [None if math.isnan(lo) else lo, None if math.isnan(hi) else hi]
+            row.update(_speedup_with_ci(runs[base], run))
             row["mem_ratio"] = _ratio(row["peak_mem_bytes"], bm.get("peak_mem_bytes"))
             row["activation_ratio"] = _ratio(row["activation_bytes"], bm.get("activation_bytes"))
             acc, b_acc = row["final_acc"], bm.get("final_acc")
@@ -95,17 +122,50 @@ def _pct_change(ratio) -> str:
     return "n/a" if ratio is None else f"{(ratio - 1) * 100:+.0f}%"
 
 
+def _ips(r: dict) -> str:
+    spread = r.get("imgs_per_s_p10_p90")
+    extra = f" ({spread[0]:,.0f} to {spread[1]:,.0f})" if spread else ""
+    if r.get("imgs_per_s_std") is not None:
+        extra += f" ±{r['imgs_per_s_std']:,.0f} sd over {r['repeats']} repeats"
+    return _f(r["imgs_per_s"], ",.0f") + extra
+
+
+def _tflops(r: dict) -> str:
+    if r.get("achieved_tflops") is None:
+        return "missing"
+    frac = r.get("fraction_of_peak")
+    of_peak = f" ({frac:.0%} of {r['peak_tflops_datasheet']:g} {r['peak_precision']} peak)" if frac else ""
+    return f"{r['achieved_tflops']:.3g}{of_peak}"
+
+
+def _acc(r: dict) -> str:
+    sd = f" ±{r['final_acc_std'] * 100:.2f}" if r.get("final_acc_std") is not None else ""
+    return _f(r["final_acc"], ".2%") + sd
+
+
 def results_table(summary: dict) -> list[str]:
-    lines = ["| variant | precision | accumulation | img/s | speedup vs fp32 (95% CI) | peak memory | memory vs fp32 "
-             "| activations | activations vs fp32 | time per epoch | final accuracy | accuracy vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | precision | accumulation | img/s (p10 to p90 step) | speedup vs fp32 (95% CI) "
+             "| peak memory | memory vs fp32 | activations | activations vs fp32 | TFLOP/s | time per epoch "
+             "| final accuracy | accuracy vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["variants"].items():
         diff = r.get("acc_diff")
         lines.append(
-            f"| {name} | {r['precision']} | {r['accum_steps']} | {_f(r['imgs_per_s'], ',.0f')} | {_speedup(r)} "
+            f"| {name} | {r['precision']} | {r['accum_steps']} | {_ips(r)} | {_speedup(r)} "
             f"| {_bytes(r['peak_mem_bytes'])} | {_pct_change(r.get('mem_ratio'))} | {_bytes(r['activation_bytes'])} "
-            f"| {_pct_change(r.get('activation_ratio'))} | {_f(r['epoch_time_s'], '.1f')} s "
-            f"| {_f(r['final_acc'], '.2%')} | {'n/a' if diff is None else f'{diff * 100:+.2f} pts'} |")
+            f"| {_pct_change(r.get('activation_ratio'))} | {_tflops(r)} | {_f(r['epoch_time_s'], '.1f')} s "
+            f"| {_acc(r)} | {'n/a' if diff is None else f'{diff * 100:+.2f} pts'} |")
+    return lines
+
+
+def memory_table(summary: dict) -> list[str]:
+    lines = ["| variant | meter | peak | peak reserved | activations (one micro-batch) | parameters | gradients "
+             "| optimizer state |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in summary["variants"].items():
+        reserved = "n/a on CPU" if r.get("mem_meter") == "process_peak_rss" else _bytes(r.get("peak_reserved_bytes"))
+        lines.append(f"| {name} | {r.get('mem_meter') or 'missing'} | {_bytes(r['peak_mem_bytes'])} | {reserved} "
+                     f"| {_bytes(r['activation_bytes'])} | {_bytes(r.get('param_bytes'))} "
+                     f"| {_bytes(r.get('grad_bytes'))} | {_bytes(r.get('optimizer_state_bytes'))} |")
     return lines
 
 
@@ -145,12 +205,22 @@ def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str]) 
     lines += ["## Results (measured in this run)", ""] + results_table(summary) + [""]
     lines += [
         "How to read it: img/s is training throughput after the warm-up steps, data loading included, evaluation "
-        "excluded, device synchronised. Speedup is the baseline's median step time over the variant's, with a "
-        "95% bootstrap interval over the timed steps. Peak memory is "
+        "excluded, device synchronised; in brackets the throughput at the p90 and p10 step times. TFLOP/s is "
+        "model FLOPs (forward + backward, torch.utils.flop_counter) times img/s; on a known GPU, against the "
+        "datasheet's dense peak for that precision (a datasheet figure, not measured). Peak memory is "
         + ("CUDA peak allocated" if env.get("gpu") else "the process's peak RSS (on a CPU it mostly counts the "
            "process and data, not the model)")
         + "; activations are the bytes autograd saves for backward in one forward pass of one micro-batch. "
         + (f"Ratios are against `{base}`." if base else "No fp32 variant ran, so there are no ratios."), ""]
+    methods = sorted({r["speedup_ci_method"] for r in summary["variants"].values() if r.get("speedup_ci_method")})
+    if methods:
+        lines += [f"Speedup interval: {'; '.join(methods)}.", ""]
+    lines += ["## Memory, meter by meter", ""] + memory_table(summary) + [""]
+    lines += ["Peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at the start of training "
+              "(reserved: what the caching allocator held), or on a CPU the process's peak RSS, which counts "
+              "the interpreter and the data set too. Activations: bytes saved for backward, counted with "
+              "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
+              "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant.", ""]
     lines += ["## The article's figures, beside ours", ""] + article_table() + [""]
     if figures:
         lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in figures] + [""]

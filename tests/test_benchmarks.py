@@ -1,0 +1,29 @@
+"""The benchmark scripts run end to end (a CPU smoke run; their numbers are not checked here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from ampbench.sandbox import REPO_ROOT
+
+
+def test_gpu_check_smoke_on_cpu(tmp_path):
+    out = tmp_path / "check.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--arch", "small_cnn",
+         "--batch", "16", "--steps", "3", "--warmup", "1", "--repeats", "2", "--acc-epochs", "1",
+         "--acc-images", "64", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"fp32_strict", "tf32", "fp16_amp", "bf16_amp", "fp16_amp_accum4"}
+    assert rows["fp32_strict"]["vs_fp32"][0] == 1.0 and rows["fp16_amp"]["accuracy"] is not None
+    assert "| fp16_amp_accum4 |" in proc.stdout
+
+
+def test_overhead_benchmark_runs(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "overhead.py"), "--images", "256", "--batch", "32",
+         "--rounds", "1", "--warmup", "1", "--target", "0"], capture_output=True, text=True, timeout=600)
+    assert "ratio ampbench/plain: median" in proc.stdout, proc.stderr[-3000:]
