@@ -1,14 +1,18 @@
 """Stage train@<variant>: train one variant with the shared engine; write its run files; log to MLflow.
 
     python stages/train.py --plan reports/plans/amp.json --data data/prepared --env reports/env.json \
-        --out reports/runs/amp
+        --out reports/runs/amp --checkpoints checkpoints/amp
+
+An interrupted run (Ctrl-C, a crash, a killed process) resumes from its last
+checkpoint when the stage runs again; the checkpoints are cleared once the
+results are on disk.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-from ampbench import config, data, engine, env, results
+from ampbench import checkpoint, config, data, engine, env, results
 from ampbench.errors import run_cli
 
 
@@ -18,16 +22,18 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="the prepared data folder")
     ap.add_argument("--env", required=True, help="env.json, written by env_check")
     ap.add_argument("--out", required=True, help="folder for this variant's run files")
+    ap.add_argument("--checkpoints", required=True, help="folder for this variant's checkpoints (DVC persist)")
     args = ap.parse_args()
 
     plan = config.read_plan(args.plan)
     info = json.loads(Path(args.env).read_text())
     prepared = data.load_prepared(Path(args.data), plan.device)
-    result = engine.train_repeats(plan, prepared)
+    result = engine.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints))
     result.metrics["git_commit"] = env.git_commit()
     result.metrics["env_fingerprint"] = env.fingerprint(info)
     out = Path(args.out)
     results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms)
+    checkpoint.clear(Path(args.checkpoints))
     print(f"train@{plan.variant}: final accuracy {result.metrics['final_acc']:.4f}, "
           f"{result.metrics['imgs_per_s'] or 0:.0f} img/s -> {out}")
 

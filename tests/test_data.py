@@ -147,28 +147,33 @@ def test_damaged_prepared_set_is_refused(tmp_path):
         data.load_prepared(tmp_path / "nothing", "cpu")
 
 
-def test_crop_flip_without_padding_is_identity_or_mirror():
-    x = torch.arange(2 * 4 * 4 * 3, dtype=torch.uint8).reshape(2, 4, 4, 3)  # NHWC
-    out = data.crop_flip(x, torch.Generator().manual_seed(0), pad=0)
-    for i in range(2):
-        assert torch.equal(out[i], x[i]) or torch.equal(out[i], x[i].flip(1))
+def _raw_batches(images, pad, augment=True, seed=0):
+    """DeviceBatches whose normalisation is the identity (mean 0, std 1/255): outputs are the raw pixels."""
+    return data.DeviceBatches(images, torch.zeros(len(images), dtype=torch.int64), len(images), [0.0] * 3,
+                              [1 / 255] * 3, augment=augment, shuffle=False, channels_last=True, seed=seed, pad=pad)
 
 
-def test_crop_flip_shifts_within_padding():
-    x = torch.full((64, 8, 8, 3), 7, dtype=torch.uint8)
-    out = data.crop_flip(x, torch.Generator().manual_seed(0), pad=2)
-    assert out.shape == x.shape
-    zero_rows = (out == 0).all(dim=(2, 3)).sum(dim=1)  # padded rows that came into view
+def test_crop_without_padding_is_identity_or_mirror():
+    x = torch.randint(0, 255, (8, 3, 6, 6), dtype=torch.uint8)
+    out, _ = next(_raw_batches(x, pad=0).epoch(0))
+    for i in range(8):
+        assert torch.equal(out[i], x[i].float()) or torch.equal(out[i], x[i].flip(-1).float())
+
+
+def test_crop_shifts_within_padding():
+    x = torch.full((64, 3, 8, 8), 7, dtype=torch.uint8)
+    out, _ = next(_raw_batches(x, pad=2).epoch(0))
+    zero_rows = (out == 0).all(dim=(1, 3)).sum(dim=1)  # padded rows that came into view
     assert int(zero_rows.max()) <= 2 and int(zero_rows.sum()) > 0
-    kept = out[(out != 0).all(dim=(1, 2, 3))]
-    assert torch.equal(kept, x[: len(kept)])  # unshifted images are untouched
+    assert set(out.unique().tolist()) == {0.0, 7.0}
 
 
-def test_crop_flip_moves_whole_pixels():
-    x = torch.randint(0, 255, (16, 8, 8, 3), dtype=torch.uint8)
-    x[..., 1], x[..., 2] = x[..., 0], x[..., 0]  # all channels equal: a gather that mixed channels would break it
-    out = data.crop_flip(x, torch.Generator().manual_seed(1), pad=2)
-    assert torch.equal(out[..., 0], out[..., 1]) and torch.equal(out[..., 0], out[..., 2])
+def test_crop_moves_whole_pixels_and_eval_is_exact():
+    x = torch.randint(0, 255, (16, 1, 8, 8), dtype=torch.uint8).expand(16, 3, 8, 8).contiguous()
+    out, _ = next(_raw_batches(x, pad=2).epoch(0))
+    assert torch.equal(out[:, 0], out[:, 1]) and torch.equal(out[:, 0], out[:, 2])  # channels not mixed
+    plain, _ = next(_raw_batches(x, pad=4, augment=False).epoch(0))
+    assert torch.equal(plain, x.float())
 
 
 def test_device_batches_cover_the_set_and_replay_per_epoch():

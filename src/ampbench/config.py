@@ -60,6 +60,7 @@ class TrainConfig:
     warmup_steps: int = _opt(20, lo=0)        # first optimizer steps, excluded from timing
     allow_tf32: bool = False                  # let fp32 matmuls/convolutions use TF32 tensor cores
     eval_batch_size: int = _opt(1024, lo=1)   # images per evaluation batch
+    augment: bool = True                      # random crop (4-pixel padding) and flip, on the device
     repeats: int = _opt(1, lo=1)              # trainings per variant, seeds seed, seed+1, ...: mean and spread
     compile: bool = False                     # torch.compile the model (first steps compile: raise warmup_steps)
 

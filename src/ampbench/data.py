@@ -211,60 +211,60 @@ def load_prepared(folder: Path, device: str | torch.device) -> dict:
 
 
 class DeviceBatches:
-    """Batches of a device-resident uint8 set, normalised (and augmented) on the device.
+    """Batches of a device-resident uint8 set, cropped, flipped and normalised on the device.
 
-    Each epoch's order and augmentation come from a generator seeded with
-    (seed, epoch), so an epoch can be replayed exactly, e.g. after a resume.
+    The set is stored once, zero-padded and NHWC; a batch is one ``index_select``
+    of whole pixels straight from it (the shuffle, the random crop and the flip
+    folded into one index), then one conversion to normalised float32, which
+    comes out channels_last. Each epoch's order and augmentation come from a
+    generator seeded with (seed, epoch), so an epoch can be replayed exactly.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
-                 augment: bool, shuffle: bool, channels_last: bool, seed: int = 0):
-        # Stored NHWC: cropping gathers whole pixels, and the batch comes out channels_last with no copy.
-        self.images, self.labels = images.permute(0, 2, 3, 1).contiguous(), labels
+                 augment: bool, shuffle: bool, channels_last: bool, seed: int = 0, pad: int = 4):
+        n, c, h, w = images.shape
+        self.pad = pad if augment else 0
+        p = self.pad
+        self.hp, self.wp = h + 2 * p, w + 2 * p
+        self.pixels = F.pad(images.permute(0, 2, 3, 1), (0, 0, p, p, p, p)).contiguous().view(-1, c)
+        self.labels, self.shape = labels, (c, h, w)
         self.batch_size, self.augment, self.shuffle = batch_size, augment, shuffle
         self.channels_last, self.seed = channels_last, seed
-        dev = images.device
+        dev = self.device = images.device
         self.mean = torch.tensor(mean, device=dev).view(1, 3, 1, 1) * 255
         self.inv_std = 1 / (torch.tensor(std, device=dev).view(1, 3, 1, 1) * 255)
-        self.device = dev
+        self.rows = torch.arange(h, device=dev).view(1, h, 1) * self.wp
+        self.cols = torch.arange(w, device=dev).view(1, 1, w)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.numel() + self.labels.numel() * self.labels.element_size()
 
     def __len__(self) -> int:
         return math.ceil(len(self.labels) / self.batch_size)
 
+    def _pixel_index(self, sel: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """Index of every output pixel in ``self.pixels``: image, then a random crop offset and flip."""
+        n, w = len(sel), self.shape[2]
+        base = sel.view(n, 1, 1) * (self.hp * self.wp)
+        if not self.augment:
+            return (base + self.rows + self.cols).view(-1)
+        dy = torch.randint(0, 2 * self.pad + 1, (n, 1, 1), device=self.device, generator=g)
+        dx = torch.randint(0, 2 * self.pad + 1, (n, 1, 1), device=self.device, generator=g)
+        flip = torch.rand(n, 1, 1, device=self.device, generator=g) < 0.5
+        cols = torch.where(flip, w - 1 - self.cols, self.cols)  # a flip reads the columns in reverse
+        return (base + dy * self.wp + self.rows + dx + cols).view(-1)
+
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         n = len(self.labels)
         g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + epoch)
-        order = torch.randperm(n, device=self.device, generator=g) if self.shuffle else None
+        order = (torch.randperm(n, device=self.device, generator=g) if self.shuffle
+                 else torch.arange(n, device=self.device))
+        c, h, w = self.shape
         for start in range(0, n, self.batch_size):
-            if order is None:
-                x, y = self.images[start:start + self.batch_size], self.labels[start:start + self.batch_size]
-            else:
-                idx = order[start:start + self.batch_size]
-                x, y = self.images[idx], self.labels[idx]
-            if self.augment:
-                x = crop_flip(x, g)
+            sel = order[start:start + self.batch_size]
+            x = self.pixels.index_select(0, self._pixel_index(sel, g)).view(len(sel), h, w, c)
             x = x.permute(0, 3, 1, 2).float().sub_(self.mean).mul_(self.inv_std)  # one new tensor, channels_last
             if not self.channels_last:
                 x = x.contiguous()
-            yield x, y
-
-
-def crop_flip(x: torch.Tensor, g: torch.Generator, pad: int = 4) -> torch.Tensor:
-    """Random crop after ``pad``-pixel zero padding, and random horizontal flip, of NHWC images, as one gather.
-
-    Each output pixel's source index in the padded image is computed per sample
-    (row offset, column offset, columns reversed for a flip); one ``gather``
-    then moves the uint8 pixels, several times faster than four-way indexing.
-    """
-    n, h, w, c = x.shape
-    dev = x.device
-    hp, wp = h + 2 * pad, w + 2 * pad
-    padded = F.pad(x, (0, 0, pad, pad, pad, pad)).view(n, hp * wp, c)
-    dy = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev, generator=g)
-    dx = torch.randint(0, 2 * pad + 1, (n, 1, 1), device=dev, generator=g)
-    flip = torch.rand(n, 1, 1, device=dev, generator=g) < 0.5
-    cols = torch.arange(w, device=dev).view(1, 1, w)
-    cols = torch.where(flip, w - 1 - cols, cols)
-    rows = torch.arange(h, device=dev).view(1, h, 1)
-    idx = ((dy + rows) * wp + dx + cols).view(n, h * w, 1).expand(n, h * w, c)
-    return padded.gather(1, idx).view(n, h, w, c)
+            yield x, self.labels[sel]

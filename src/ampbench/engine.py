@@ -1,10 +1,12 @@
 """The one training loop, and evaluation. Every variant runs this code.
 
+    python stages/train.py --plan reports/plans/amp.json ...   # what DVC runs for train@amp
+
 Variants differ only in data passed in: the precision policy (autocast dtype,
 GradScaler) and ``accum_steps``. ``train(plan, data)`` returns a ``RunResult``;
-writing it to disk is the caller's job (see ``results.py``).
-
-    python stages/train.py --variant amp ...   # what DVC runs for train@amp
+writing it to disk is the caller's job (see ``results.py``). With a checkpoint
+folder, the run saves its state after every epoch and on Ctrl-C, and resumes
+from it.
 """
 
 from __future__ import annotations
@@ -12,18 +14,29 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ampbench import flops, measure, models
-from ampbench.config import RunPlan
+from ampbench import checkpoint, flops, measure, models
+from ampbench.config import RunPlan, to_dict
 from ampbench.data import DeviceBatches
 from ampbench.env import set_tf32
+from ampbench.errors import AmpbenchError
 from ampbench.precision import PrecisionPolicy, micro_batch_size
+
+
+class TrainingInterrupted(AmpbenchError):
+    """Ctrl-C: the run stopped at a step boundary with a checkpoint saved."""
+
+    exit_code = 130
 
 
 @dataclass
@@ -57,20 +70,22 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     loss by accum_steps".
     """
     n = len(y)
-    total = torch.zeros((), device=x.device)
+    losses = []
     for xs, ys in zip(x.split(micro), y.split(micro), strict=True):
         with policy.autocast():
             out = model(xs)
-            loss = F.cross_entropy(out, ys) * (len(ys) / n)
+            loss = F.cross_entropy(out, ys)  # autocast computes it in fp32
+            if len(ys) != n:
+                loss = loss * (len(ys) / n)
         scaler.scale(loss).backward()  # scaled (fp16) so small gradients do not flush to zero
-        total += loss.detach().float()
-    return total
+        losses.append(loss.detach())
+    return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
 
 def make_batches(plan: RunPlan, data: dict) -> tuple[DeviceBatches, DeviceBatches]:
     meta = data["meta"]
     common = dict(mean=meta["mean"], std=meta["std"], channels_last=plan.model.channels_last)
-    train = DeviceBatches(*data["train"], plan.train.batch_size, augment=True, shuffle=True,
+    train = DeviceBatches(*data["train"], plan.train.batch_size, augment=plan.train.augment, shuffle=True,
                           seed=plan.seed, **common)
     test = DeviceBatches(*data["test"], plan.train.eval_batch_size, augment=False, shuffle=False, **common)
     return train, test
@@ -103,169 +118,267 @@ def activation_bytes(model: torch.nn.Module, x: torch.Tensor, policy: PrecisionP
     return meter.bytes
 
 
-def train(plan: RunPlan, data: dict, *, progress: bool = True) -> RunResult:
-    """Train one variant for ``plan.train.epochs`` epochs and measure it."""
-    torch.manual_seed(plan.seed)
-    device = torch.device(plan.device)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # pick the fastest conv kernels for our fixed shapes
-    tf32 = set_tf32(plan.train.allow_tf32)
-    policy = PrecisionPolicy(plan.precision, device.type, plan.amp)
-    model = models.build(plan.model.arch, channels_last=plan.model.channels_last, device=device)
-    opt = torch.optim.SGD(model.parameters(), lr=plan.train.lr, momentum=plan.train.momentum,
-                          weight_decay=plan.train.weight_decay, nesterov=True)
-    scaler = policy.scaler()
-    train_batches, test_batches = make_batches(plan, data)
-    steps_per_epoch = len(train_batches)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(plan.train.epochs * steps_per_epoch))
-    micro = micro_batch_size(plan.train.batch_size, plan.accum_steps)
+class Trainer:
+    """One variant's model, optimizer, scaler, schedule and counters, and the loop that trains them."""
 
-    first_x, first_y = next(train_batches.epoch(0))
-    act_bytes = activation_bytes(model, first_x[:micro], policy)
-    flops_per_image = flops.train_flops_per_image(model, first_x[:8], first_y[:8])  # per image: 8 suffice
-    step_model = torch.compile(model) if plan.train.compile else model
-    measure.reset_peak_memory(device)
+    def __init__(self, plan: RunPlan, data: dict, *, progress: bool = True):
+        torch.manual_seed(plan.seed)
+        self.plan, self.progress, self.data_meta = plan, progress, data["meta"]
+        self.counts = (len(data["train"][1]), len(data["test"][1]))
+        self.device = device = torch.device(plan.device)
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # pick the fastest conv kernels for our fixed shapes
+        self.tf32 = set_tf32(plan.train.allow_tf32)
+        self.policy = PrecisionPolicy(plan.precision, device.type, plan.amp)
+        self.model = models.build(plan.model.arch, channels_last=plan.model.channels_last, device=device)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=plan.train.lr, momentum=plan.train.momentum,
+                                   weight_decay=plan.train.weight_decay, nesterov=True)
+        self.scaler = self.policy.scaler()
+        self.train_batches, self.test_batches = make_batches(plan, data)
+        self.steps_per_epoch = len(self.train_batches)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(plan.train.epochs * self.steps_per_epoch))
+        self.micro = micro_batch_size(plan.train.batch_size, plan.accum_steps)
 
-    step_timer, data_timer = measure.StepTimer(device), measure.StepTimer(device)
-    result = RunResult(metrics={})
-    step_ms: list[float] = []
-    data_ms: list[float] = []
-    timed_images = 0
-    skipped = 0
-    last_scale = scaler.get_scale() if policy.uses_scaler else None
-    if policy.uses_scaler:
-        result.scale_history.append({"step": 0, "scale": last_scale, "skipped": False})
-    best_acc = 0.0
-    global_step = 0
-    t_start = time.perf_counter()
-    total_steps = plan.train.epochs * steps_per_epoch
+        x, y = next(self.train_batches.epoch(0))
+        self.activation_bytes = activation_bytes(self.model, x[:self.micro], self.policy)
+        self.flops_per_image = flops.train_flops_per_image(self.model, x[:8], y[:8])  # per image: 8 suffice
+        self.step_model = torch.compile(self.model) if plan.train.compile else self.model
+        measure.reset_peak_memory(device)
 
-    for epoch in range(plan.train.epochs):
-        loss_sum = torch.zeros((), device=device)  # summed on the device: no per-step sync
-        seen = 0
-        epoch_first_step = global_step
-        batch_sizes = []
-        bar = tqdm(total=steps_per_epoch, disable=not progress, unit="step", dynamic_ncols=True,
-                   desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
-        batches = train_batches.epoch(epoch)
-        with measure.wall_clock(device) as clock:
-            for _ in range(steps_per_epoch):
+        # Progress; everything here goes into a checkpoint.
+        self.epoch = self.step_in_epoch = self.global_step = self.skipped = 0
+        self.last_scale = self.scaler.get_scale() if self.policy.uses_scaler else None
+        self.scale_history = [{"step": 0, "scale": self.last_scale, "skipped": False}] if self.last_scale else []
+        self.history: list[dict] = []
+        self.best_acc = 0.0
+        self.loss_sum, self.seen = torch.zeros((), device=device), 0  # this epoch's, summed on the device
+        self.step_ms: list[float] = []
+        self.data_ms: list[float] = []
+        self.timed_images = 0
+        # Not checkpointed: warm-up is counted per process, since a resumed process starts cold.
+        self.process_steps = 0
+        self.stop_requested = False
+        self.t_start = time.perf_counter()
+
+    # --- one optimizer step ------------------------------------------------------------------
+
+    def optimizer_step(self, x: torch.Tensor, y: torch.Tensor) -> bool:
+        """Train on one batch; return True if the scaler skipped the step (an inf/NaN gradient)."""
+        n = len(y)
+        self.opt.zero_grad(set_to_none=True)
+        self.loss_sum.add_(accumulate_gradients(self.step_model, x, y, self.micro, self.policy, self.scaler),
+                           alpha=n)
+        self.scaler.step(self.opt)  # unscales, and skips the update if any gradient is inf/NaN
+        self.scaler.update()        # once per optimizer step, not per micro-batch
+        skipped = False
+        if self.policy.uses_scaler:
+            # scaler.step already synced to check for inf; reading the scale costs nothing more.
+            scale = self.scaler.get_scale()
+            skipped = scale < self.last_scale  # the scale only drops on an overflow
+            if scale != self.last_scale:
+                self.scale_history.append({"step": self.global_step + 1, "scale": scale, "skipped": skipped})
+            self.last_scale = scale
+        if skipped:
+            self.skipped += 1  # the weights did not change, so neither does the LR schedule
+        else:
+            self.sched.step()
+        self.seen += n
+        return skipped
+
+    # --- one epoch -----------------------------------------------------------------------------
+
+    def run_epoch(self) -> dict | None:
+        """Train to the end of the current epoch (or a requested stop) and evaluate; the history row."""
+        plan, epoch = self.plan, self.epoch
+        step_timer, data_timer = measure.StepTimer(self.device), measure.StepTimer(self.device)
+        batches = self.train_batches.epoch(epoch)
+        for _ in range(self.step_in_epoch):  # resuming mid-epoch: replay the same order and augmentation
+            next(batches)
+        timed, sizes = [], []
+        bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, disable=not self.progress, unit="step",
+                   dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
+        with measure.wall_clock(self.device) as clock:
+            while self.step_in_epoch < self.steps_per_epoch and not self.stop_requested:
                 data_timer.start()
                 x, y = next(batches)
                 data_timer.stop()
                 step_timer.start()
-                n = len(y)
-                opt.zero_grad(set_to_none=True)
-                loss_sum += accumulate_gradients(step_model, x, y, micro, policy, scaler) * n
-                scaler.step(opt)  # unscales, and skips the update if any gradient is inf/NaN
-                scaler.update()   # once per optimizer step, not per micro-batch
+                self.optimizer_step(x, y)
                 step_timer.stop()
-                if policy.uses_scaler:
-                    # scaler.step already synced to check for inf; reading the scale costs nothing more.
-                    scale = scaler.get_scale()
-                    was_skipped = scale < last_scale  # the scale only drops on an overflow
-                    if scale != last_scale:
-                        result.scale_history.append({"step": global_step + 1, "scale": scale,
-                                                     "skipped": was_skipped})
-                    last_scale = scale
-                else:
-                    was_skipped = False
-                if was_skipped:
-                    skipped += 1  # the weights did not change, so neither does the LR schedule
-                else:
-                    sched.step()
-                seen += n
-                batch_sizes.append(n)
-                global_step += 1
+                timed.append(self.process_steps >= plan.train.warmup_steps)
+                sizes.append(len(y))
+                self.process_steps += 1
+                self.global_step += 1
+                self.step_in_epoch += 1
                 bar.update(1)
-                if progress and (global_step % 25 == 0 or global_step == epoch_first_step + steps_per_epoch):
-                    bar.set_postfix(loss=f"{loss_sum.item() / seen:.3f}", lr=f"{sched.get_last_lr()[0]:.3g}")
+                if self.progress and (self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch):
+                    bar.set_postfix(loss=f"{self.loss_sum.item() / self.seen:.3f}",  # a sync every 25 steps
+                                    lr=f"{self.sched.get_last_lr()[0]:.3g}")
         bar.close()
+        ep_images, ep_ms = self._collect_times(step_timer.read_ms(), data_timer.read_ms(), timed, sizes)
+        if self.step_in_epoch < self.steps_per_epoch:
+            return None  # stopped mid-epoch
+        ev = evaluate(self.model, self.test_batches, self.policy)
+        self.best_acc = max(self.best_acc, ev["acc"])
+        row = {"epoch": epoch + 1, "train_loss": self.loss_sum.item() / max(1, self.seen), "eval_loss": ev["loss"],
+               "eval_acc": ev["acc"], "lr": self.sched.get_last_lr()[0], "loss_scale": self.last_scale,
+               "skipped_steps": self.skipped, "epoch_time_s": clock["s"],
+               "imgs_per_s": ep_images / (ep_ms / 1000) if ep_ms else None}
+        self.history.append(row)
+        self.epoch, self.step_in_epoch = epoch + 1, 0
+        self.loss_sum, self.seen = torch.zeros((), device=self.device), 0
+        if self.progress:
+            done = self.global_step / (plan.train.epochs * self.steps_per_epoch)
+            eta = (time.perf_counter() - self.t_start) * (1 - done) / max(done, 1e-9)
+            ips = f"{row['imgs_per_s']:.0f} img/s" if row["imgs_per_s"] else "warm-up"
+            tqdm.write(f"[{plan.variant}] epoch {epoch + 1}/{plan.train.epochs}: train loss {row['train_loss']:.4f}, "
+                       f"eval acc {ev['acc']:.4f}, {ips}, {clock['s']:.1f}s, ETA {eta:.0f}s")
+        return row
 
-        # Times of this epoch's steps; the first warmup_steps of the run are excluded.
-        ep_step, ep_data = step_timer.read_ms(), data_timer.read_ms()
-        keep = [i for i in range(len(ep_step)) if epoch_first_step + i >= plan.train.warmup_steps]
-        step_ms += [ep_step[i] for i in keep]
-        data_ms += [ep_data[i] for i in keep]
-        ep_images = sum(batch_sizes[i] for i in keep)
-        timed_images += ep_images
-        ep_time = sum(ep_step[i] + ep_data[i] for i in keep)
-        ev = evaluate(model, test_batches, policy)
-        best_acc = max(best_acc, ev["acc"])
-        row = {"epoch": epoch + 1, "train_loss": loss_sum.item() / max(1, seen), "eval_loss": ev["loss"],
-               "eval_acc": ev["acc"], "lr": sched.get_last_lr()[0], "loss_scale": last_scale,
-               "skipped_steps": skipped, "epoch_time_s": clock["s"],
-               "imgs_per_s": ep_images / (ep_time / 1000) if ep_time else None}
-        result.history.append(row)
-        if progress:
-            elapsed = time.perf_counter() - t_start
-            eta = elapsed / global_step * (total_steps - global_step)
-            ips = f"{row['imgs_per_s']:.0f}" if row["imgs_per_s"] else "n/a (warm-up)"
-            tqdm.write(f"[{plan.variant}] epoch {epoch + 1}/{plan.train.epochs}: train loss "
-                       f"{row['train_loss']:.4f}, eval acc {ev['acc']:.4f}, {ips} img/s, "
-                       f"{clock['s']:.1f}s, ETA {eta:.0f}s")
+    def _collect_times(self, step_ms, data_ms, timed, sizes) -> tuple[int, float]:
+        """Keep the timed (post-warm-up) steps' times; return this call's images and milliseconds."""
+        keep = [i for i, t in enumerate(timed) if t]
+        self.step_ms += [step_ms[i] for i in keep]
+        self.data_ms += [data_ms[i] for i in keep]
+        images = sum(sizes[i] for i in keep)
+        self.timed_images += images
+        return images, sum(step_ms[i] + data_ms[i] for i in keep)
 
-    e2e_ms = [a + b for a, b in zip(step_ms, data_ms, strict=True)]
-    total_e2e, total_compute = sum(e2e_ms), sum(step_ms)
-    mem = measure.peak_memory(device)
-    params = list(model.parameters())
-    step_stats = measure.summarize_ms(step_ms)
-    result.step_times_ms = e2e_ms
-    result.metrics = {
-        "variant": plan.variant, "precision": plan.precision, "accum_steps": plan.accum_steps,
-        "micro_batch_size": micro, "epochs": plan.train.epochs, "batch_size": plan.train.batch_size,
-        "arch": plan.model.arch, "device": plan.device,
-        "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "imgs_per_s": timed_images / (total_e2e / 1000) if total_e2e else None,
-        "compute_imgs_per_s": timed_images / (total_compute / 1000) if total_compute else None,
-        "step_time_ms": measure.summarize_ms(e2e_ms),      # data + compute: what the report compares
-        "compute_time_ms": step_stats,                      # forward, backward and optimizer step only
-        "data_time_ms": measure.summarize_ms(data_ms),
-        "data_time_fraction": sum(data_ms) / total_e2e if total_e2e else None,
-        "timed_steps": len(step_ms), "warmup_steps": plan.train.warmup_steps,
-        "epoch_time_s": measure.percentile([r["epoch_time_s"] for r in result.history], 50),
-        **mem,
-        "activation_bytes": act_bytes,
-        "param_bytes": measure.tensor_bytes(params),
-        "grad_bytes": measure.tensor_bytes(p for p in params),  # one grad per parameter, same dtype
-        "optimizer_state_bytes": measure.optimizer_state_bytes(opt),
-        "final_acc": result.history[-1]["eval_acc"], "best_acc": best_acc,
-        "final_loss": result.history[-1]["train_loss"], "final_eval_loss": result.history[-1]["eval_loss"],
-        "final_loss_scale": last_scale, "skipped_steps": skipped, "optimizer_steps": global_step,
-        "tf32": tf32, "torch": torch.__version__,
-        "train_images": len(data["train"][1]), "test_images": len(data["test"][1]),
-        "data_source": data["meta"]["source"],
-    }
-    ips, peak_prec = result.metrics["imgs_per_s"], flops.peak_precision(plan.precision, plan.train.allow_tf32)
-    peak = flops.datasheet_peak(result.metrics["device_name"] if device.type == "cuda" else None, peak_prec)
-    achieved = flops_per_image * ips / 1e12 if ips else None
-    result.metrics.update({
-        "train_flops_per_image": flops_per_image,            # forward + backward, torch.utils.flop_counter
-        "achieved_tflops": achieved,                         # end to end, after warm-up
-        "peak_tflops_datasheet": peak, "peak_precision": peak_prec,
-        "fraction_of_peak": achieved / peak if achieved and peak else None,
-        "compiled": plan.train.compile,
-    })
-    if step_stats["n"] == 0:
-        result.metrics["timing_note"] = (f"no step was timed: all {global_step} steps fell within "
-                                         f"train.warmup_steps = {plan.train.warmup_steps}")
-    return result
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    _SCALARS = ("epoch", "step_in_epoch", "global_step", "skipped", "last_scale", "scale_history", "history",
+                "best_acc", "seen", "step_ms", "data_ms", "timed_images")
+
+    def state_dict(self) -> dict:
+        state = {k: getattr(self, k) for k in self._SCALARS}
+        state.update(model=self.model.state_dict(), opt=self.opt.state_dict(), sched=self.sched.state_dict(),
+                     scaler=self.scaler.state_dict(), loss_sum=self.loss_sum.item(),
+                     rng_cpu=torch.get_rng_state(),
+                     rng_cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        for k in self._SCALARS:
+            setattr(self, k, state[k])
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.sched.load_state_dict(state["sched"])
+        if state["scaler"]:
+            self.scaler.load_state_dict(state["scaler"])
+        self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+    # --- the result ----------------------------------------------------------------------------
+
+    def result(self) -> RunResult:
+        plan, device = self.plan, self.device
+        e2e_ms = [a + b for a, b in zip(self.step_ms, self.data_ms, strict=True)]
+        total_e2e, total_compute = sum(e2e_ms), sum(self.step_ms)
+        params = list(self.model.parameters())
+        last = self.history[-1]
+        device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        ips = self.timed_images / (total_e2e / 1000) if total_e2e else None
+        peak_prec = flops.peak_precision(plan.precision, plan.train.allow_tf32)
+        peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
+        achieved = self.flops_per_image * ips / 1e12 if ips else None
+        metrics = {
+            "variant": plan.variant, "precision": plan.precision, "accum_steps": plan.accum_steps,
+            "micro_batch_size": self.micro, "epochs": plan.train.epochs, "batch_size": plan.train.batch_size,
+            "arch": plan.model.arch, "device": plan.device, "device_name": device_name,
+            "imgs_per_s": ips,  # data + compute, after warm-up, device synchronised
+            "compute_imgs_per_s": self.timed_images / (total_compute / 1000) if total_compute else None,
+            "step_time_ms": measure.summarize_ms(e2e_ms),          # data + compute: what the report compares
+            "compute_time_ms": measure.summarize_ms(self.step_ms),  # forward, backward, optimizer step
+            "data_time_ms": measure.summarize_ms(self.data_ms),
+            "data_time_fraction": sum(self.data_ms) / total_e2e if total_e2e else None,
+            "timed_steps": len(self.step_ms), "warmup_steps": plan.train.warmup_steps,
+            "epoch_time_s": measure.percentile([r["epoch_time_s"] for r in self.history], 50),
+            **measure.peak_memory(device),
+            "activation_bytes": self.activation_bytes,
+            "param_bytes": measure.tensor_bytes(params),
+            "grad_bytes": measure.tensor_bytes(params),  # one fp32 gradient per parameter
+            "optimizer_state_bytes": measure.optimizer_state_bytes(self.opt),
+            "dataset_bytes": self.train_batches.nbytes + self.test_batches.nbytes,
+            "final_acc": last["eval_acc"], "best_acc": self.best_acc, "final_loss": last["train_loss"],
+            "final_eval_loss": last["eval_loss"], "final_loss_scale": self.last_scale,
+            "skipped_steps": self.skipped, "optimizer_steps": self.global_step,
+            "train_flops_per_image": self.flops_per_image,  # forward + backward, torch.utils.flop_counter
+            "achieved_tflops": achieved, "peak_tflops_datasheet": peak, "peak_precision": peak_prec,
+            "fraction_of_peak": achieved / peak if achieved and peak else None,
+            "tf32": self.tf32, "compiled": plan.train.compile, "augment": plan.train.augment,
+            "torch": torch.__version__, "train_images": self.counts[0], "test_images": self.counts[1],
+            "data_source": self.data_meta["source"],
+        }
+        if not self.step_ms:
+            metrics["timing_note"] = (f"no step was timed: every step fell within train.warmup_steps = "
+                                      f"{plan.train.warmup_steps}")
+        return RunResult(metrics=metrics, history=self.history, scale_history=self.scale_history,
+                         step_times_ms=e2e_ms)
+
+
+@contextmanager
+def stop_on_sigint(trainer: Trainer):
+    """First Ctrl-C: finish the current step, then stop; a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if trainer.stop_requested:
+            raise KeyboardInterrupt
+        trainer.stop_requested = True
+        tqdm.write("Ctrl-C: stopping after this step and saving a checkpoint (press again to abort)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: Path | None = None) -> RunResult:
+    """Train one variant for ``plan.train.epochs`` epochs and measure it, resuming from a checkpoint if any."""
+    trainer = Trainer(plan, data, progress=progress)
+    fp = checkpoint.fingerprint(to_dict(plan), data["meta"])
+    state = checkpoint.load(checkpoint_dir, fp)
+    if state is not None:
+        trainer.load_state_dict(state)
+        print(f"[{plan.variant}] resuming from the checkpoint at epoch {trainer.epoch + 1}, "
+              f"step {trainer.step_in_epoch} of {trainer.steps_per_epoch}", flush=True)
+    with stop_on_sigint(trainer):
+        while trainer.epoch < plan.train.epochs:
+            trainer.run_epoch()
+            if checkpoint_dir is not None:
+                checkpoint.save(checkpoint_dir, {**trainer.state_dict(), "fingerprint": fp})
+            if trainer.stop_requested:
+                where = f"epoch {trainer.epoch + 1}, step {trainer.step_in_epoch}"
+                saved = f"checkpoint saved in {checkpoint_dir}; run `dvc repro` to resume" if checkpoint_dir \
+                    else "no checkpoint folder was given, so the run cannot resume"
+                raise TrainingInterrupted(f"[{plan.variant}] interrupted at {where}: {saved}")
+    return trainer.result()
 
 
 REPEATED = ("imgs_per_s", "compute_imgs_per_s", "final_acc", "best_acc", "final_loss", "achieved_tflops",
             "epoch_time_s")
 
 
-def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True) -> RunResult:
+def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True,
+                  checkpoint_dir: Path | None = None) -> RunResult:
     """Train ``plan.train.repeats`` times with seeds seed, seed+1, ...; mean and spread across them.
 
     The first repeat's history is the run's history; step times are pooled.
+    Each repeat checkpoints in its own subfolder, so a resumed stage skips the
+    repeats already done.
     """
     runs = []
     for i in range(plan.train.repeats):
         if progress and plan.train.repeats > 1:
             tqdm.write(f"[{plan.variant}] repeat {i + 1}/{plan.train.repeats} (seed {plan.seed + i})")
-        runs.append(train(dataclasses.replace(plan, seed=plan.seed + i), data, progress=progress))
+        ckpt = Path(checkpoint_dir) / f"repeat{i + 1}" if checkpoint_dir is not None else None
+        runs.append(train(dataclasses.replace(plan, seed=plan.seed + i), data, progress=progress,
+                          checkpoint_dir=ckpt))
     out = RunResult(metrics=dict(runs[0].metrics), history=runs[0].history, scale_history=runs[0].scale_history,
                     step_times_ms=[t for r in runs for t in r.step_times_ms])
     m = out.metrics

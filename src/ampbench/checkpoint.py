@@ -1,0 +1,69 @@
+"""Checkpoints: a training run's whole state, saved atomically, resumed only under the same settings.
+
+A checkpoint is written after every epoch (and on Ctrl-C, at a step boundary)
+to the train stage's DVC ``persist`` output, and deleted once the run's results
+are on disk. It carries a fingerprint of the run plan and the data; one made
+under other settings is discarded with a message, never resumed silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+CHECKPOINT = "last.pt"
+
+
+def fingerprint(plan_dict: dict, data_meta: dict) -> str:
+    """A hash of everything that makes two runs the same run."""
+    blob = json.dumps({"plan": plan_dict, "data": data_meta}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def save(folder: Path, state: dict) -> Path:
+    """Write ``state`` to ``folder/last.pt`` through a temporary file and a rename."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".last.", suffix=".pt", dir=folder)
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, folder / CHECKPOINT)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return folder / CHECKPOINT
+
+
+def load(folder: Path | None, expected_fingerprint: str) -> dict | None:
+    """The checkpoint in ``folder`` if it was made under the same settings, else None (saying why)."""
+    if folder is None:
+        return None
+    path = Path(folder) / CHECKPOINT
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # a truncated or foreign file
+        print(f"checkpoint {path} is unreadable ({type(err).__name__}); discarding it and starting over")
+        path.unlink()
+        return None
+    if state.get("fingerprint") != expected_fingerprint:
+        print(f"checkpoint {path} was made with different params or data; discarding it and starting over")
+        path.unlink()
+        return None
+    return state
+
+
+def clear(folder: Path) -> None:
+    """Delete every checkpoint under ``folder`` (the run is complete), keeping the folder for DVC."""
+    folder = Path(folder)
+    for path in sorted(folder.rglob(CHECKPOINT), reverse=True) if folder.is_dir() else []:
+        path.unlink()
+    for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True) if folder.is_dir() else []:
+        sub.rmdir()
+    folder.mkdir(parents=True, exist_ok=True)

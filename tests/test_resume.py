@@ -1,0 +1,103 @@
+"""Interrupted runs: SIGKILL and Ctrl-C resume from the checkpoint to the same result as an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ampbench import config, data
+from ampbench.sandbox import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    data.prepare(config.DataConfig(source="synthetic", train_size=2048, test_size=128), 0, root / "prepared",
+                 root / "raw")
+    (root / "env.json").write_text(json.dumps({"torch": "x", "cuda_runtime": None, "cpu_model": "cpu", "gpu": None}))
+    return root
+
+
+def _plan(root: Path, name: str, lr: float = 0.1) -> Path:
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
+                            "train": {"epochs": 4, "batch_size": 64, "warmup_steps": 2, "lr": lr}})
+    path = root / f"{name}.json"
+    config.write_plan(config.make_plan(cfg, "fp32", "cpu"), path)
+    return path
+
+
+def _cmd(root: Path, plan: Path, out: str) -> list[str]:
+    return [sys.executable, str(REPO_ROOT / "stages" / "train.py"), "--plan", str(plan), "--data",
+            str(root / "prepared"), "--env", str(root / "env.json"), "--out", str(root / out),
+            "--checkpoints", str(root / f"ckpt-{out}")]
+
+
+def _history(root: Path, out: str) -> list[dict]:
+    m = json.loads((root / out / "metrics.json").read_text())
+    rows = (root / out / "history.csv").read_text().splitlines()
+    return [m["final_acc"], m["final_loss"], m["optimizer_steps"], [r.split(",")[:4] for r in rows]]
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    proc = subprocess.run(_cmd(setup, _plan(setup, "ref"), "ref"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list((setup / "ckpt-ref").iterdir()) == []  # cleared once the results are on disk
+    return _history(setup, "ref")
+
+
+def _start_and_wait_for_checkpoint(root: Path, cmd: list[str], out: str) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ckpt = root / f"ckpt-{out}" / "repeat1" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists():
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.time() < deadline
+        time.sleep(0.02)
+    return proc
+
+
+def test_sigkill_mid_run_resumes_to_the_same_result(setup, reference):
+    cmd = _cmd(setup, _plan(setup, "kill"), "kill")
+    proc = _start_and_wait_for_checkpoint(setup, cmd, "kill")
+    time.sleep(0.15)  # into the next epoch
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (setup / "kill" / "metrics.json").exists()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming from the checkpoint at epoch" in again.stdout
+    assert _history(setup, "kill") == reference
+
+
+def test_ctrl_c_stops_at_a_step_boundary_and_resumes(setup, reference):
+    cmd = _cmd(setup, _plan(setup, "int"), "int")
+    proc = _start_and_wait_for_checkpoint(setup, cmd, "int")
+    time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "interrupted at epoch" in err and "run `dvc repro` to resume" in err and "Traceback" not in err
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming from the checkpoint" in again.stdout
+    assert _history(setup, "int") == reference
+
+
+def test_checkpoint_from_other_params_is_discarded(setup):
+    proc = _start_and_wait_for_checkpoint(setup, _cmd(setup, _plan(setup, "a"), "other"), "other")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    changed = subprocess.run(_cmd(setup, _plan(setup, "b", lr=0.05), "other"), capture_output=True, text=True,
+                             timeout=600)
+    assert changed.returncode == 0, changed.stderr[-2000:]
+    assert "made with different params or data; discarding it" in changed.stdout
+    assert "resuming" not in changed.stdout
