@@ -5,10 +5,11 @@
 
 Both train the same model (same initial weights) on the same synthetic images with the same batch and
 precision. The plain loop is the article's: a torch DataLoader over the (pre-normalised) tensors, then
-autocast, GradScaler.scale/step/update, with no augmentation; ampbench's engine keeps the data on the
-device and also augments it (crop, flip). Rounds alternate the two; each reports img/s after the warm-up
-steps, data loading included. The ratio is ampbench / plain. Exit status 1 if the median ratio is below
---target.
+autocast, GradScaler.scale/step/update, with no augmentation. ampbench's engine runs twice per round:
+without augmentation (like for like: the ratio measures the engine's own overhead, and the target applies
+to it) and with its on-device crop and flip (what `dvc repro` runs). Each reports img/s after the warm-up
+steps, data loading included. Exit status 1 if the like-for-like median ratio is below --target or the
+engine's data time is 5% of its step time or more.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--images", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--target", type=float, default=1.0)
     args = ap.parse_args()
 
@@ -72,27 +73,36 @@ def main() -> None:
     mean = torch.tensor(prepared["meta"]["mean"], device=args.device).view(1, 3, 1, 1)
     std = torch.tensor(prepared["meta"]["std"], device=args.device).view(1, 3, 1, 1)
     x_float = ((x_u8.float() / 255 - mean) / std).cpu()  # what a DataLoader pipeline would hand the model
-    plan = RunPlan(variant="engine", precision=args.precision, accum_steps=1, device=args.device, seed=0,
-                   model=ModelConfig(arch=args.arch, channels_last=True),
-                   train=TrainConfig(epochs=1, batch_size=args.batch, warmup_steps=args.warmup),
-                   amp=config.AmpConfig() if args.precision == "fp16" else None, mlflow=MlflowConfig(enabled=False))
+    def plan(augment: bool) -> RunPlan:
+        return RunPlan(variant="engine", precision=args.precision, accum_steps=1, device=args.device, seed=0,
+                       model=ModelConfig(arch=args.arch, channels_last=True),
+                       train=TrainConfig(epochs=1, batch_size=args.batch, warmup_steps=args.warmup, augment=augment),
+                       amp=config.AmpConfig() if args.precision == "fp16" else None,
+                       mlflow=MlflowConfig(enabled=False))
 
     print(f"{args.arch}, {args.precision}, batch {args.batch}, {args.images} images, {args.device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'round':>5} {'plain img/s':>12} {'ampbench img/s':>15} {'ratio':>7} {'data share':>11}")
-    ratios, data_shares = [], []
+    print(f"{'round':>5} {'plain':>8} {'ampbench':>9} {'ratio':>6} {'data':>6} {'+augment':>9} {'ratio':>6} "
+          f"{'data':>6}   (img/s; data = share of step time)")
+    ratios, aug_ratios, shares, aug_shares = [], [], [], []
     for r in range(args.rounds):
         plain = plain_loop(args.arch, True, x_float, y.cpu(), args.batch, args.precision, args.device,
                            args.warmup, seed=r)
-        m = engine.train(plan, prepared, progress=False).metrics
-        ratios.append(m["imgs_per_s"] / plain)
-        data_shares.append(m["data_time_fraction"])
-        print(f"{r + 1:>5} {plain:>12,.0f} {m['imgs_per_s']:>15,.0f} {ratios[-1]:>7.3f} {data_shares[-1]:>10.1%}")
-    med = statistics.median(ratios)
-    print(f"ratio ampbench/plain: median {med:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) over "
-          f"{len(ratios)} rounds; ampbench data time {statistics.median(data_shares):.1%} of step time")
-    ok = med >= args.target and statistics.median(data_shares) < 0.05
-    print(f"target (ratio >= {args.target}, data time < 5%): {'met' if ok else 'NOT met'}")
+        same = engine.train(plan(False), prepared, progress=False).metrics
+        aug = engine.train(plan(True), prepared, progress=False).metrics
+        ratios.append(same["imgs_per_s"] / plain)
+        aug_ratios.append(aug["imgs_per_s"] / plain)
+        shares.append(same["data_time_fraction"])
+        aug_shares.append(aug["data_time_fraction"])
+        print(f"{r + 1:>5} {plain:>8,.0f} {same['imgs_per_s']:>9,.0f} {ratios[-1]:>6.3f} {shares[-1]:>6.1%} "
+              f"{aug['imgs_per_s']:>9,.0f} {aug_ratios[-1]:>6.3f} {aug_shares[-1]:>6.1%}")
+    med, share = statistics.median(ratios), statistics.median(shares)
+    print(f"ampbench/plain, like for like: median {med:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) over "
+          f"{len(ratios)} rounds; data time {share:.1%} of step time")
+    print(f"ampbench with augmentation/plain without: median {statistics.median(aug_ratios):.3f}; "
+          f"data time {statistics.median(aug_shares):.1%} of step time")
+    ok = med >= args.target and share < 0.05
+    print(f"target (like-for-like ratio >= {args.target}, data time < 5%): {'met' if ok else 'NOT met'}")
     sys.exit(0 if ok else 1)
 
 
