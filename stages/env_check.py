@@ -29,6 +29,12 @@ def main() -> None:
     plans = {name: config.make_plan(cfg, name, device) for name in cfg.variants}
     for warning in env.warnings_for(info):
         print(f"warning: {warning}")
+    if cfg.mlflow.enabled:
+        uri = config.tracking_uri(cfg.mlflow, Path.cwd())
+        problem = env.check_tracking_server(uri)
+        if problem:
+            print(f"warning: MLflow tracking server {uri} {problem}. Training will run and keep its results "
+                  "on disk; log them later with `ampbench mlflow-sync`, or set mlflow.enabled: false")
     gpu = info["gpu"]
     print(f"env_check: device {device}" + (f" ({gpu['name']}, sm {gpu['capability']})" if gpu else "")
           + f", torch {info['torch']}, variants: {', '.join(plans)}")

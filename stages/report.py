@@ -30,11 +30,7 @@ def main() -> None:
 
     if cfg.mlflow.enabled:
         from ampbench import tracking
-        tracking.safe_log_run(
-            cfg=cfg.mlflow, repo_root=Path.cwd(), run_name="report", params={"variants": list(summary["variants"])},
-            metrics={"variants": summary["variants"]}, history=None,
-            tags=tracking.run_tags("report", {}, info, stage="report"),
-            artifacts=[md, summary_path, fig_dir])
+        tracking.safely("report", tracking.log_report, cfg.mlflow, Path.cwd(), md, summary_path, fig_dir, info)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,8 @@ def main() -> None:
 
     if plan.mlflow.enabled:  # results are on disk first; tracking can only add, never lose
         from ampbench import tracking
-        tracking.safe_log_run(
-            cfg=plan.mlflow, repo_root=Path.cwd(), run_name=f"train@{plan.variant}",
-            params=config.to_dict(plan), metrics=result.metrics, history=result.history,
-            tags=tracking.run_tags(plan.variant, result.metrics, info, stage="train"),
-            artifacts=[out / results.METRICS, out / results.HISTORY, out / results.SCALE])
+        tracking.safely(f"train@{plan.variant}", tracking.log_variant, plan.mlflow, Path.cwd(), out,
+                        config.to_dict(plan), info)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The ampbench command: `ampbench demo` runs the CPU demo pipeline in ./demo.
+"""The ampbench command.
 
-    ampbench demo            # same DVC pipeline, CPU, synthetic data, small model; results in demo/
+    ampbench demo            # the same DVC pipeline on the CPU, synthetic data, small model; results in demo/
+    ampbench mlflow-sync     # log the on-disk runs that are not in MLflow yet (after a tracking outage)
 """
 
 from __future__ import annotations
@@ -28,14 +29,29 @@ def demo(dest: Path) -> None:
           f"MLflow UI: mlflow ui --backend-store-uri sqlite:///{(dest / 'mlflow.db').resolve()}")
 
 
+def mlflow_sync(args) -> None:
+    from ampbench import tracking
+    cfg = config.load(args.params)
+    r = Path(args.reports)
+    failed = tracking.sync(cfg.mlflow, Path.cwd(), r / "runs", r / "plans", r / "env.json", r / "report.md",
+                           r / "summary.json", r / "figures")
+    if failed:
+        sys.exit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="ampbench", description="FP32 vs FP16-AMP, measured on your hardware")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run the pipeline on the CPU with synthetic data, in its own folder")
     d.add_argument("--dir", default="demo", help="folder for the demo's repository (default: demo)")
+    s = sub.add_parser("mlflow-sync", help="log on-disk runs missing from MLflow (no duplicates)")
+    s.add_argument("--params", default="params.yaml")
+    s.add_argument("--reports", default="reports", help="the pipeline's reports folder")
     args = ap.parse_args()
     if args.command == "demo":
         run_cli(lambda: demo(Path(args.dir)))
+    elif args.command == "mlflow-sync":
+        run_cli(lambda: mlflow_sync(args))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -184,6 +185,16 @@ def _cross_check(cfg: Config) -> None:
     if cfg.data.source == "cifar10" and cfg.data.archive and not Path(cfg.data.archive).is_file():
         raise ConfigError(f"{_where('data.archive', cfg.data.archive)}: no such file; give the path of a "
                           "cifar-10-python.tar.gz, or set it to \"\" to download from data.url")
+
+
+def tracking_uri(cfg: MlflowConfig, repo_root: Path) -> str:
+    """Where MLflow runs go: $MLFLOW_TRACKING_URI, else params.yaml's, else this repository's own store."""
+    env = os.environ.get("MLFLOW_TRACKING_URI", "")
+    if env:
+        return env
+    if cfg.tracking_uri:
+        return cfg.tracking_uri
+    return f"sqlite:///{Path(repo_root).resolve() / 'mlflow.db'}"
 
 
 def from_dict(raw: Any) -> Config:

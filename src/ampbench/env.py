@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -141,6 +142,20 @@ def fingerprint(info: dict) -> str:
     gpu = info.get("gpu")
     where = f"{gpu['name']} sm{gpu['capability']}" if gpu else f"CPU {info['cpu_model']}"
     return f"{where} | torch {info['torch']} | CUDA {info['cuda_runtime']}"
+
+
+def check_tracking_server(uri: str, timeout: float = 5.0) -> str | None:
+    """For an http(s) MLflow URI, a problem description if the server does not answer /health in time."""
+    if not uri.startswith(("http://", "https://")):
+        return None
+    try:
+        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
+            if response.status == 200:
+                return None
+            return f"answered HTTP {response.status}"
+    except (OSError, ValueError) as err:  # refused, timed out, bad host, HTTP error
+        reason = getattr(err, "reason", None) or err
+        return f"did not answer within {timeout:g}s ({reason})" if "timed out" in str(reason) else f"{reason}"
 
 
 def git_commit(where: Path | None = None) -> str:

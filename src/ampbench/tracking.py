@@ -3,11 +3,15 @@
 Where runs go: ``$MLFLOW_TRACKING_URI`` if set, else ``mlflow.tracking_uri`` in
 params.yaml, else ``sqlite:///<repo>/mlflow.db`` with artifacts in
 ``<repo>/mlartifacts``. Logging happens after a stage has written its results to
-disk, and a failure to log is a warning, never a lost run.
+disk, and a failure to log is a warning, never a lost run: ``ampbench
+mlflow-sync`` logs the on-disk runs later. Each run carries a key (a hash of its
+metrics file), so logging the same results twice adds nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -15,20 +19,14 @@ from pathlib import Path
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
-import mlflow  # noqa: E402
 from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from ampbench.config import MlflowConfig, flatten  # noqa: E402
+from ampbench import results  # noqa: E402
+from ampbench.config import MlflowConfig, flatten, tracking_uri  # noqa: E402
+from ampbench.env import fingerprint, git_commit  # noqa: E402
 
-
-def resolve_uri(cfg: MlflowConfig, repo_root: Path) -> str:
-    env = os.environ.get("MLFLOW_TRACKING_URI", "")
-    if env:
-        return env
-    if cfg.tracking_uri:
-        return cfg.tracking_uri
-    return f"sqlite:///{Path(repo_root).resolve() / 'mlflow.db'}"
+KEY_TAG = "ampbench.run_key"
 
 
 def _experiment_id(client: MlflowClient, cfg: MlflowConfig, uri: str, repo_root: Path) -> str:
@@ -36,7 +34,7 @@ def _experiment_id(client: MlflowClient, cfg: MlflowConfig, uri: str, repo_root:
     if exp is not None:
         return exp.experiment_id
     artifacts = None
-    if uri.startswith("sqlite:///") or uri.startswith("file:") or "://" not in uri:
+    if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
         artifacts = (Path(repo_root).resolve() / "mlartifacts").as_uri()
     return client.create_experiment(cfg.experiment, artifact_location=artifacts)
 
@@ -50,25 +48,30 @@ def _metric_value(value) -> float | None:
         return None
 
 
-def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, params: dict, metrics: dict,
-            tags: dict, history: list[dict] | None = None, artifacts: list[Path] = ()) -> str:
-    """Log one finished stage execution as an MLflow run; return its run id."""
-    uri = resolve_uri(cfg, repo_root)
-    mlflow.set_tracking_uri(uri)
+def file_key(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:20]
+
+
+def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, params: dict, metrics: dict,
+            tags: dict, history: list[dict] | None = None, artifacts: list[Path] = ()) -> tuple[str, bool]:
+    """Log one finished stage execution as an MLflow run; (run id, whether it was new)."""
+    uri = tracking_uri(cfg, repo_root)
     client = MlflowClient(uri)
     exp_id = _experiment_id(client, cfg, uri, repo_root)
-    run = client.create_run(exp_id, run_name=run_name, tags={k: str(v) for k, v in tags.items() if v is not None})
-    rid = run.info.run_id
+    found = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=1)
+    if found:
+        return found[0].info.run_id, False
+    tags = {**{k: str(v) for k, v in tags.items() if v is not None}, KEY_TAG: key}
+    rid = client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
     try:
         flat_params = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
-        scalar_metrics = {k: _metric_value(v) for k, v in flatten(metrics).items()}
-        ms = [Metric(k.replace(".", "/"), v, 0, 0) for k, v in scalar_metrics.items() if v is not None]
+        ms = [Metric(k.replace(".", "/"), v, 0, 0) for k, v in
+              ((k, _metric_value(v)) for k, v in flatten(metrics).items()) if v is not None]
         for row in history or []:
-            step = int(row["epoch"])
-            for key, value in row.items():
+            for name, value in row.items():
                 v = _metric_value(value)
-                if key != "epoch" and v is not None:
-                    ms.append(Metric(f"epoch/{key}", v, 0, step))
+                if name != "epoch" and v is not None:
+                    ms.append(Metric(f"epoch/{name}", v, 0, int(row["epoch"])))  # step = epoch
         for i in range(0, len(flat_params), 100):  # log_batch takes at most 100 params a call
             client.log_batch(rid, params=flat_params[i:i + 100])
         for i in range(0, len(ms), 1000):
@@ -82,27 +85,56 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, params: dict, 
     except BaseException:
         client.set_terminated(rid, "FAILED")
         raise
-    return rid
+    return rid, True
 
 
-def safe_log_run(**kwargs) -> str | None:
-    """``log_run``, but a tracking failure is a warning: the results are already on disk."""
-    try:
-        rid = log_run(**kwargs)
-    except Exception as err:  # any store or network failure
-        print(f"warning: MLflow logging failed ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-              "the results are on disk", flush=True)
-        return None
-    print(f"MLflow: logged run {kwargs['run_name']} ({rid}) to {resolve_uri(kwargs['cfg'], kwargs['repo_root'])}",
-          flush=True)
-    return rid
-
-
-def run_tags(variant: str, metrics: dict, env_info: dict, *, stage: str) -> dict:
+def _tags(stage: str, variant: str, metrics: dict, env_info: dict) -> dict:
     """Tags that make one pipeline execution's runs easy to find and compare in the UI."""
-    from ampbench.env import fingerprint, git_commit
-    return {
-        "stage": stage, "variant": variant, "precision": metrics.get("precision"),
-        "accum_steps": metrics.get("accum_steps"), "git_commit": metrics.get("git_commit") or git_commit(),
-        "dvc_exp_name": os.environ.get("DVC_EXP_NAME"), "env_fingerprint": fingerprint(env_info),
-    }
+    return {"stage": stage, "variant": variant, "precision": metrics.get("precision"),
+            "accum_steps": metrics.get("accum_steps"), "git_commit": metrics.get("git_commit") or git_commit(),
+            "dvc_exp_name": os.environ.get("DVC_EXP_NAME"), "env_fingerprint": fingerprint(env_info)}
+
+
+def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, env_info: dict) -> tuple[str, bool]:
+    """Log a train stage's run folder (metrics, per-epoch history, files) as one run."""
+    run = results.read_run(run_dir)
+    m = run["metrics"]
+    return log_run(cfg, repo_root, run_name=f"train@{m['variant']}", key=file_key(run_dir / results.METRICS),
+                   params=plan, metrics=m, history=run["history"], tags=_tags("train", m["variant"], m, env_info),
+                   artifacts=[run_dir / results.METRICS, run_dir / results.HISTORY, run_dir / results.SCALE])
+
+
+def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json: Path, fig_dir: Path,
+               env_info: dict) -> tuple[str, bool]:
+    summary = json.loads(Path(summary_json).read_text())
+    return log_run(cfg, repo_root, run_name="report", key=file_key(summary_json),
+                   params={"variants": ",".join(summary["variants"]), "baseline": summary["baseline"]},
+                   metrics={"variants": summary["variants"]}, tags=_tags("report", "report", {}, env_info),
+                   artifacts=[report_md, summary_json, fig_dir])
+
+
+def safely(what: str, fn, *args) -> str | None:
+    """Run a logging call; a tracking failure is a warning, since the results are already on disk."""
+    try:
+        rid, new = fn(*args)
+    except Exception as err:  # any store or network failure
+        first = (str(err).splitlines() or [""])[0][:200]
+        print(f"warning: MLflow logging of {what} failed ({type(err).__name__}: {first}); the results are on "
+              "disk: log them later with `ampbench mlflow-sync`", flush=True)
+        return None
+    print(f"MLflow: {'logged' if new else 'already logged:'} {what} (run {rid})", flush=True)
+    return rid
+
+
+def sync(cfg: MlflowConfig, repo_root: Path, runs_dir: Path, plans_dir: Path, env_path: Path,
+         report_md: Path, summary_json: Path, fig_dir: Path) -> int:
+    """Log every on-disk run not yet in MLflow (the train runs, then the report); return how many failed."""
+    env_info = json.loads(Path(env_path).read_text()) if Path(env_path).is_file() else {}
+    failed = 0
+    for name, _ in results.read_runs(runs_dir).items():
+        plan_file = Path(plans_dir) / f"{name}.json"
+        plan = json.loads(plan_file.read_text()) if plan_file.is_file() else {}
+        failed += safely(f"train@{name}", log_variant, cfg, repo_root, Path(runs_dir) / name, plan, env_info) is None
+    if Path(summary_json).is_file():
+        failed += safely("report", log_report, cfg, repo_root, report_md, summary_json, fig_dir, env_info) is None
+    return failed

@@ -1,0 +1,65 @@
+"""Every bad params.yaml, through the env_check stage that DVC runs first: exit code 2, one line naming the
+key and the fix, no traceback, and reports/ and data/ byte for byte as they were."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+
+import pytest
+import yaml
+
+from ampbench.errors import run_cli
+from ampbench.sandbox import REPO_ROOT
+from tests.test_config import BAD, _set
+
+CASES = [(f"{k}={v!r}", k, v, words) for k, v, words in BAD] + [
+    ("empty file", None, None, ["params.yaml is empty"]),
+    ("broken YAML", None, "train:\n  epochs: [1,\n", ["broken YAML at line"]),
+    ("not a mapping", None, "- 1\n- 2\n", ["is not a mapping"]),
+]
+
+
+def _stage():
+    spec = importlib.util.spec_from_file_location("env_check_stage", REPO_ROOT / "stages" / "env_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _snapshot(root):
+    return {p.relative_to(root): p.read_bytes() for d in ("reports", "data") for p in (root / d).rglob("*")
+            if p.is_file()}
+
+
+@pytest.mark.parametrize(("name", "key", "value", "words"), CASES, ids=[c[0] for c in CASES])
+def test_bad_params_exit_2_with_one_line_and_change_nothing(tmp_path, monkeypatch, capsys, real_params,
+                                                            name, key, value, words):
+    for rel, text in {"reports/env.json": "{}\n", "reports/plans/fp32.json": "{}\n",
+                      "data/prepared/meta.json": "{}\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    if key is not None:
+        params = copy.deepcopy(real_params)
+        _set(params, key, value)
+        text = yaml.safe_dump(params)
+    else:
+        text = value or ""
+    (tmp_path / "params.yaml").write_text(text)
+    before = _snapshot(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["env_check.py", "--params", "params.yaml", "--env", "reports/env.json",
+                                      "--plans", "reports/plans"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(_stage().main)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    for word in words:
+        assert word in err, err
+    assert _snapshot(tmp_path) == before
+
+
+def test_there_are_at_least_25_cases():
+    assert len(CASES) >= 25
