@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ampbench import checkpoint, config, data, engine, env, results
-from ampbench.errors import run_cli
+from ampbench.errors import NonFiniteTraining, run_cli
 
 
 def main() -> None:
@@ -28,16 +28,26 @@ def main() -> None:
     plan = config.read_plan(args.plan)
     info = json.loads(Path(args.env).read_text())
     prepared = data.load_prepared(Path(args.data), plan.device)
-    result = engine.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints))
-    result.metrics["git_commit"] = env.git_commit()
-    result.metrics["env_fingerprint"] = env.fingerprint(info)
     out = Path(args.out)
-    results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms)
+    try:
+        result = engine.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints))
+    except NonFiniteTraining as err:  # keep what the completed epochs measured, with the diagnosis
+        if err.result is not None:
+            save(plan, err.result, info, out)
+        raise
+    save(plan, result, info, out)
     checkpoint.clear(Path(args.checkpoints))
     print(f"train@{plan.variant}: final accuracy {result.metrics['final_acc']:.4f}, "
           f"{result.metrics['imgs_per_s'] or 0:.0f} img/s -> {out}")
 
-    if plan.mlflow.enabled:  # results are on disk first; tracking can only add, never lose
+
+def save(plan: config.RunPlan, result: engine.RunResult, info: dict, out: Path) -> None:
+    """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
+    result.metrics["git_commit"] = env.git_commit()
+    result.metrics["env_fingerprint"] = env.fingerprint(info)
+    results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
+                      result.numerics)
+    if plan.mlflow.enabled:
         from ampbench import tracking
         tracking.safely(f"train@{plan.variant}", tracking.log_variant, plan.mlflow, Path.cwd(), out,
                         config.to_dict(plan), info)

@@ -72,6 +72,13 @@ class AmpConfig:
     growth_factor: float = _opt(2.0, lo=1, lo_open=True)      # scale multiplier after growth_interval clean steps
     backoff_factor: float = _opt(0.5, lo=0, hi=1, lo_open=True, hi_open=True)  # scale multiplier on overflow
     growth_interval: int = _opt(2000, lo=1)                   # clean steps before the scale grows
+    max_consecutive_nonfinite: int = _opt(10, lo=1)  # inf/NaN-loss steps in a row (each skipped) before stopping
+    audit_batches: int = _opt(2, lo=0)               # batches for the fp16 numerics audit (0 = no audit)
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    detect_anomaly: bool = False  # run training under torch.autograd.detect_anomaly (slow; finds the NaN's origin)
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class Config:
     amp: AmpConfig = field(default_factory=AmpConfig)
     variants: dict[str, Variant] = field(default_factory=_default_variants)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -257,6 +265,7 @@ class RunPlan:
     train: TrainConfig
     amp: AmpConfig | None         # None unless precision is fp16 (no GradScaler otherwise)
     mlflow: MlflowConfig
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 def make_plan(cfg: Config, variant: str, device: str) -> RunPlan:
@@ -266,7 +275,7 @@ def make_plan(cfg: Config, variant: str, device: str) -> RunPlan:
     v = cfg.variants[variant]
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=cfg.train,
-                   amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow)
+                   amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug)
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:
@@ -283,4 +292,4 @@ def read_plan(path: str | Path) -> RunPlan:
         variant=raw["variant"], precision=raw["precision"], accum_steps=raw["accum_steps"],
         device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),
         train=TrainConfig(**raw["train"]), amp=AmpConfig(**raw["amp"]) if raw["amp"] else None,
-        mlflow=MlflowConfig(**raw["mlflow"]))
+        mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import math
 import signal
 import threading
@@ -25,11 +26,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ampbench import checkpoint, flops, measure, models
+from ampbench import checkpoint, flops, measure, models, numerics
 from ampbench.config import RunPlan, to_dict
 from ampbench.data import DeviceBatches
 from ampbench.env import set_tf32
-from ampbench.errors import AmpbenchError
+from ampbench.errors import AmpbenchError, NonFiniteTraining
 from ampbench.precision import PrecisionPolicy, micro_batch_size
 
 
@@ -45,6 +46,7 @@ class RunResult:
     history: list[dict] = field(default_factory=list)  # one row per epoch
     scale_history: list[dict] = field(default_factory=list)  # every loss-scale change: step, scale, skipped
     step_times_ms: list[float] = field(default_factory=list)  # timed (post-warm-up) steps, end to end
+    numerics: list[dict] = field(default_factory=list)  # the fp16 audit, one row per layer
 
 
 def lr_lambda(total_steps: int):
@@ -80,6 +82,23 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
         scaler.scale(loss).backward()  # scaled (fp16) so small gradients do not flush to zero
         losses.append(loss.detach())
     return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+
+
+def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
+    """Max relative difference between k accumulated micro-batch gradients and one full-batch gradient.
+
+    In fp32, with BatchNorm in eval mode (its batch statistics would differ by
+    design), on a copy of the model: the two must agree to rounding.
+    """
+    probe = copy.deepcopy(model).float().eval()
+    policy = PrecisionPolicy("fp32", x.device.type, None)
+    grads = []
+    for size in (len(y), micro):
+        probe.zero_grad(set_to_none=True)
+        accumulate_gradients(probe, x.float(), y, size, policy, policy.scaler())
+        grads.append([p.grad.detach().clone() for p in probe.parameters() if p.grad is not None])
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(grads[1], grads[0], strict=True))
 
 
 def make_batches(plan: RunPlan, data: dict) -> tuple[DeviceBatches, DeviceBatches]:
@@ -140,6 +159,7 @@ class Trainer:
         self.micro = micro_batch_size(plan.train.batch_size, plan.accum_steps)
 
         x, y = next(self.train_batches.epoch(0))
+        self.accum_check = accumulation_check(self.model, x, y, self.micro) if plan.accum_steps > 1 else None
         self.activation_bytes = activation_bytes(self.model, x[:self.micro], self.policy)
         self.flops_per_image = flops.train_flops_per_image(self.model, x[:8], y[:8])  # per image: 8 suffice
         self.step_model = torch.compile(self.model) if plan.train.compile else self.model
@@ -147,6 +167,10 @@ class Trainer:
 
         # Progress; everything here goes into a checkpoint.
         self.epoch = self.step_in_epoch = self.global_step = self.skipped = 0
+        self.nonfinite_steps = self.consecutive_nonfinite = 0
+        self.max_nonfinite = plan.amp.max_consecutive_nonfinite if plan.amp else 1
+        self.last_batch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.diagnosis: dict | None = None
         self.last_scale = self.scaler.get_scale() if self.policy.uses_scaler else None
         self.scale_history = [{"step": 0, "scale": self.last_scale, "skipped": False}] if self.last_scale else []
         self.history: list[dict] = []
@@ -165,12 +189,12 @@ class Trainer:
     def optimizer_step(self, x: torch.Tensor, y: torch.Tensor) -> bool:
         """Train on one batch; return True if the scaler skipped the step (an inf/NaN gradient)."""
         n = len(y)
+        self.last_batch = (x, y)  # kept (not copied) for a diagnosis if this step goes non-finite
         self.opt.zero_grad(set_to_none=True)
-        self.loss_sum.add_(accumulate_gradients(self.step_model, x, y, self.micro, self.policy, self.scaler),
-                           alpha=n)
+        loss = accumulate_gradients(self.step_model, x, y, self.micro, self.policy, self.scaler)
         self.scaler.step(self.opt)  # unscales, and skips the update if any gradient is inf/NaN
         self.scaler.update()        # once per optimizer step, not per micro-batch
-        skipped = False
+        skipped = nonfinite_loss = False
         if self.policy.uses_scaler:
             # scaler.step already synced to check for inf; reading the scale costs nothing more.
             scale = self.scaler.get_scale()
@@ -178,12 +202,33 @@ class Trainer:
             if scale != self.last_scale:
                 self.scale_history.append({"step": self.global_step + 1, "scale": scale, "skipped": skipped})
             self.last_scale = scale
+            # Only a skipped step can carry an inf/NaN loss; asking costs a sync on those steps alone.
+            nonfinite_loss = skipped and not bool(torch.isfinite(loss))
         if skipped:
             self.skipped += 1  # the weights did not change, so neither does the LR schedule
         else:
             self.sched.step()
-        self.seen += n
+        if nonfinite_loss:
+            self.nonfinite_steps += 1
+            self.consecutive_nonfinite += 1
+            if self.consecutive_nonfinite >= self.max_nonfinite:
+                self.fail(f"{self.consecutive_nonfinite} steps in a row had an inf/NaN loss "
+                          f"(amp.max_consecutive_nonfinite = {self.max_nonfinite})")
+        else:
+            self.consecutive_nonfinite = 0
+            self.loss_sum.add_(loss, alpha=n)
+            self.seen += n
         return skipped
+
+    def fail(self, why: str) -> None:
+        """Stop the run with a diagnosis: which module first produced inf/NaN, and which gradient."""
+        x, y = self.last_batch
+        self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.last_scale or 1.0)
+        self.diagnosis["reason"] = why
+        raise NonFiniteTraining(
+            f"[{self.plan.variant}] training stopped at epoch {self.epoch + 1}, step {self.step_in_epoch + 1}: "
+            f"{why}. {numerics.describe(self.diagnosis)}. Try a lower train.lr, turn AMP off for this variant "
+            "(precision: fp32) to see whether the model itself diverges, or set debug.detect_anomaly: true")
 
     # --- one epoch -----------------------------------------------------------------------------
 
@@ -211,9 +256,11 @@ class Trainer:
                 self.global_step += 1
                 self.step_in_epoch += 1
                 bar.update(1)
-                if self.progress and (self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch):
-                    bar.set_postfix(loss=f"{self.loss_sum.item() / self.seen:.3f}",  # a sync every 25 steps
-                                    lr=f"{self.sched.get_last_lr()[0]:.3g}")
+                if self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch:
+                    mean_loss = self.loss_sum.item() / max(1, self.seen)  # a sync every 25 steps
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.sched.get_last_lr()[0]:.3g}")
+                    if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
+                        self.fail("the training loss became inf/NaN")
         bar.close()
         ep_images, ep_ms = self._collect_times(step_timer.read_ms(), data_timer.read_ms(), timed, sizes)
         if self.step_in_epoch < self.steps_per_epoch:
@@ -247,7 +294,8 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------------------
 
     _SCALARS = ("epoch", "step_in_epoch", "global_step", "skipped", "last_scale", "scale_history", "history",
-                "best_acc", "seen", "step_ms", "data_ms", "timed_images")
+                "best_acc", "seen", "step_ms", "data_ms", "timed_images", "nonfinite_steps",
+                "consecutive_nonfinite")
 
     def state_dict(self) -> dict:
         state = {k: getattr(self, k) for k in self._SCALARS}
@@ -277,7 +325,7 @@ class Trainer:
         e2e_ms = [a + b for a, b in zip(self.step_ms, self.data_ms, strict=True)]
         total_e2e, total_compute = sum(e2e_ms), sum(self.step_ms)
         params = list(self.model.parameters())
-        last = self.history[-1]
+        last = self.history[-1] if self.history else {"eval_acc": None, "train_loss": None, "eval_loss": None}
         device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
         ips = self.timed_images / (total_e2e / 1000) if total_e2e else None
         peak_prec = flops.peak_precision(plan.precision, plan.train.allow_tf32)
@@ -294,7 +342,7 @@ class Trainer:
             "data_time_ms": measure.summarize_ms(self.data_ms),
             "data_time_fraction": sum(self.data_ms) / total_e2e if total_e2e else None,
             "timed_steps": len(self.step_ms), "warmup_steps": plan.train.warmup_steps,
-            "epoch_time_s": measure.percentile([r["epoch_time_s"] for r in self.history], 50),
+            "epoch_time_s": measure.percentile([r["epoch_time_s"] for r in self.history], 50) if self.history else None,
             **measure.peak_memory(device),
             "activation_bytes": self.activation_bytes,
             "param_bytes": measure.tensor_bytes(params),
@@ -303,7 +351,8 @@ class Trainer:
             "dataset_bytes": self.train_batches.nbytes + self.test_batches.nbytes,
             "final_acc": last["eval_acc"], "best_acc": self.best_acc, "final_loss": last["train_loss"],
             "final_eval_loss": last["eval_loss"], "final_loss_scale": self.last_scale,
-            "skipped_steps": self.skipped, "optimizer_steps": self.global_step,
+            "skipped_steps": self.skipped, "nonfinite_loss_steps": self.nonfinite_steps,
+            "optimizer_steps": self.global_step, "accum_grad_max_rel_diff": self.accum_check,
             "train_flops_per_image": self.flops_per_image,  # forward + backward, torch.utils.flop_counter
             "achieved_tflops": achieved, "peak_tflops_datasheet": peak, "peak_precision": peak_prec,
             "fraction_of_peak": achieved / peak if achieved and peak else None,
@@ -347,17 +396,33 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
         trainer.load_state_dict(state)
         print(f"[{plan.variant}] resuming from the checkpoint at epoch {trainer.epoch + 1}, "
               f"step {trainer.step_in_epoch} of {trainer.steps_per_epoch}", flush=True)
-    with stop_on_sigint(trainer):
-        while trainer.epoch < plan.train.epochs:
-            trainer.run_epoch()
-            if checkpoint_dir is not None:
-                checkpoint.save(checkpoint_dir, {**trainer.state_dict(), "fingerprint": fp})
-            if trainer.stop_requested:
-                where = f"epoch {trainer.epoch + 1}, step {trainer.step_in_epoch}"
-                saved = f"checkpoint saved in {checkpoint_dir}; run `dvc repro` to resume" if checkpoint_dir \
-                    else "no checkpoint folder was given, so the run cannot resume"
-                raise TrainingInterrupted(f"[{plan.variant}] interrupted at {where}: {saved}")
-    return trainer.result()
+    try:
+        with stop_on_sigint(trainer), torch.autograd.set_detect_anomaly(plan.debug.detect_anomaly):
+            while trainer.epoch < plan.train.epochs:
+                trainer.run_epoch()
+                if checkpoint_dir is not None:
+                    checkpoint.save(checkpoint_dir, {**trainer.state_dict(), "fingerprint": fp})
+                if trainer.stop_requested:
+                    where = f"epoch {trainer.epoch + 1}, step {trainer.step_in_epoch}"
+                    saved = f"checkpoint saved in {checkpoint_dir}; run `dvc repro` to resume" if checkpoint_dir \
+                        else "no checkpoint folder was given, so the run cannot resume"
+                    raise TrainingInterrupted(f"[{plan.variant}] interrupted at {where}: {saved}")
+    except NonFiniteTraining as err:
+        err.result = trainer.result()  # completed epochs, for the stage to keep on disk
+        err.result.metrics.update(status="stopped: non-finite loss", diagnosis=trainer.diagnosis)
+        raise
+    except RuntimeError as err:
+        if not plan.debug.detect_anomaly or "nan" not in str(err).lower():
+            raise
+        stopped = NonFiniteTraining(f"[{plan.variant}] torch.autograd.detect_anomaly: {str(err).splitlines()[0]}")
+        stopped.result = trainer.result()
+        stopped.result.metrics.update(status="stopped: detect_anomaly", diagnosis={"anomaly": str(err)[:2000]})
+        raise stopped from None
+    result = trainer.result()
+    if plan.amp and plan.amp.audit_batches:
+        audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
+        result.numerics = numerics.audit(trainer.model, audit, trainer.last_scale, trainer.device.type)
+    return result
 
 
 REPEATED = ("imgs_per_s", "compute_imgs_per_s", "final_acc", "best_acc", "final_loss", "achieved_tflops",

@@ -39,6 +39,7 @@ class NonFiniteTraining(AmpbenchError):
     """Training produced inf/NaN too many steps in a row: exit code 3."""
 
     exit_code = 3
+    result = None  # what the completed epochs measured, set by the engine
 
 
 def run_cli(main: Callable[[], None]) -> None:

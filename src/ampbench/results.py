@@ -4,6 +4,7 @@
 - ``history.csv``: one row per epoch (DVC plots)
 - ``loss_scale.csv``: every change of the fp16 loss scale, with its step
 - ``step_times.json``: the timed step times, for the report's confidence intervals
+- ``numerics.csv``: the fp16 numerics audit, one row per layer (fp16 variants)
 
 Files are written under a temporary name and renamed, so a reader never sees half a file.
 """
@@ -18,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
+NUMERICS = "numerics.csv"
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -58,9 +60,11 @@ def _clean(obj):
 
 
 def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: list[dict],
-              step_times_ms: list[float]) -> None:
+              step_times_ms: list[float], numerics: list[dict] = ()) -> None:
     out_dir = Path(out_dir)
     hist_cols = list(history[0]) if history else ["epoch"]
+    num_cols = list(numerics[0]) if numerics else ["layer"]
+    atomic_write(out_dir / NUMERICS, _csv_text(list(numerics), num_cols))
     atomic_write(out_dir / HISTORY, _csv_text(history, hist_cols))
     atomic_write(out_dir / SCALE, _csv_text(scale_history, ["step", "scale", "skipped"]))
     write_json(out_dir / STEP_TIMES, [round(t, 4) for t in step_times_ms])
@@ -70,13 +74,17 @@ def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: 
 def read_run(run_dir: Path) -> dict:
     """One run's metrics, history rows, loss-scale changes and step times."""
     run_dir = Path(run_dir)
-    out = {"metrics": json.loads((run_dir / METRICS).read_text()), "history": [], "scale": [], "step_times_ms": []}
+    out = {"metrics": json.loads((run_dir / METRICS).read_text()), "history": [], "scale": [], "step_times_ms": [],
+           "numerics": []}
     if (run_dir / HISTORY).is_file():
         with open(run_dir / HISTORY) as f:
             out["history"] = list(csv.DictReader(f))
     if (run_dir / SCALE).is_file():
         with open(run_dir / SCALE) as f:
             out["scale"] = list(csv.DictReader(f))
+    if (run_dir / NUMERICS).is_file():
+        with open(run_dir / NUMERICS) as f:
+            out["numerics"] = list(csv.DictReader(f))
     if (run_dir / STEP_TIMES).is_file():
         out["step_times_ms"] = json.loads((run_dir / STEP_TIMES).read_text())
     return out

@@ -1,0 +1,132 @@
+"""fp16 numerics: what fp16 does to each layer's values, and which layer produced an inf/NaN.
+
+- ``fp16_fractions``: the share of values that overflow (become inf), flush to
+  zero, or land in fp16's subnormal range, found by really converting them.
+- ``audit``: per layer, the dtype autocast ran it in and those shares for its
+  activations and for the gradients flowing back into it, without loss scaling
+  and at the scale in use (what the scaler rescued).
+- ``diagnose``: replays a batch with hooks (off during normal training) to name
+  the first module whose output holds inf/NaN and the first parameter whose
+  gradient does.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FP16_MAX = 65504.0          # larger magnitudes overflow to inf
+FP16_MIN_NORMAL = 2.0 ** -14  # 6.1e-5: below it fp16 is subnormal and loses precision
+FP16_MIN_SUBNORMAL = 2.0 ** -24  # 6e-8: about half of it and below, values flush to zero
+
+
+def fp16_fractions(t: torch.Tensor, scale: float = 1.0) -> dict[str, float]:
+    """Shares of ``t * scale``'s values that overflow, flush to zero, or are subnormal once cast to fp16."""
+    v = t.detach().float() * scale
+    h = v.half()
+    finite, nonzero = torch.isfinite(v), v != 0
+    n = max(1, v.numel())
+    return {"overflow": (torch.isinf(h) & finite).sum().item() / n,
+            "underflow": ((h == 0) & nonzero & finite).sum().item() / n,
+            "subnormal": ((h != 0) & (h.abs() < FP16_MIN_NORMAL)).sum().item() / n}
+
+
+def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(name, m) for name, m in model.named_modules() if name and not list(m.children())]
+
+
+def _without_inplace(model: nn.Module) -> nn.Module:
+    """A copy whose in-place activations are out of place, so tensor hooks see every gradient."""
+    copy_ = copy.deepcopy(model)
+    for m in copy_.modules():
+        if hasattr(m, "inplace"):
+            m.inplace = False
+    return copy_
+
+
+def audit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+          device_type: str) -> list[dict]:
+    """Per leaf layer: autocast dtype and fp16 overflow/underflow/subnormal shares of activations and gradients."""
+    probe = _without_inplace(model).train()
+    layers = _leaves(probe)
+    rows = {name: {"layer": name, "type": type(m).__name__, "autocast_dtype": None, "values": 0} for name, m in layers}
+    sums: dict[str, dict[str, float]] = {name: {} for name, _ in layers}
+
+    def add(name: str, prefix: str, t: torch.Tensor, s: float, weight: int) -> None:
+        for key, frac in fp16_fractions(t, s).items():
+            sums[name][f"{prefix}_{key}"] = sums[name].get(f"{prefix}_{key}", 0.0) + frac * weight
+
+    handles = []
+    for name, m in layers:
+        def dtype_hook(mod, inp, out, name=name):
+            if torch.is_tensor(out):
+                rows[name]["autocast_dtype"] = str(out.dtype).replace("torch.", "")
+        handles.append(m.register_forward_hook(dtype_hook))
+    with torch.no_grad(), torch.autocast(device_type, dtype=torch.float16):
+        probe(batches[0][0])
+    for h in handles:
+        h.remove()
+
+    for x, y in batches:  # the true (fp32) values, then what fp16 would do to them
+        handles = []
+        for name, m in layers:
+            def value_hook(mod, inp, out, name=name):
+                if not torch.is_tensor(out) or not out.is_floating_point():
+                    return
+                n = out.numel()
+                rows[name]["values"] += n
+                add(name, "act", out, 1.0, n)
+                if out.requires_grad:
+                    def grad_hook(g, name=name, n=n):
+                        add(name, "grad", g, 1.0, n)
+                        add(name, "grad_scaled", g, scale, n)
+                    out.register_hook(grad_hook)
+            handles.append(m.register_forward_hook(value_hook))
+        F.cross_entropy(probe(x.float()), y).backward()
+        for h in handles:
+            h.remove()
+    out = []
+    for name, _ in layers:
+        n = rows[name]["values"]
+        if n:
+            out.append({**rows[name], **{k: v / n for k, v in sorted(sums[name].items())}})
+    return out
+
+
+def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale: float) -> dict:
+    """Replay one batch with hooks: the first module whose output is inf/NaN, the first such gradient."""
+    probe = copy.deepcopy(model).train()
+    bad_params = [n for n, p in probe.named_parameters() if not torch.isfinite(p).all()]
+    first: dict = {"first_bad_module": None, "first_bad_grad": None,
+                   "nonfinite_params": bad_params[:5], "loss": None}
+    handles = []
+    for name, m in probe.named_modules():
+        def fwd(mod, inp, out, name=name or "<model>"):
+            if first["first_bad_module"] is None and torch.is_tensor(out) and not torch.isfinite(out).all():
+                first["first_bad_module"] = name
+        handles.append(m.register_forward_hook(fwd))
+    for name, p in probe.named_parameters():
+        def bwd(g, name=name):
+            if first["first_bad_grad"] is None and not torch.isfinite(g).all():
+                first["first_bad_grad"] = name
+        handles.append(p.register_hook(bwd))
+    with autocast():
+        loss = F.cross_entropy(probe(x), y)
+    first["loss"] = float(loss.detach().float())
+    (loss * scale).backward()
+    for h in handles:
+        h.remove()
+    return first
+
+
+def describe(d: dict) -> str:
+    """One sentence for an error message."""
+    parts = []
+    if d.get("nonfinite_params"):
+        parts.append(f"weights already non-finite: {', '.join(d['nonfinite_params'])}")
+    parts.append(f"first module with an inf/NaN output: {d.get('first_bad_module') or 'none found'}")
+    parts.append(f"first parameter with an inf/NaN gradient: {d.get('first_bad_grad') or 'none found'}")
+    return "; ".join(parts)
