@@ -20,12 +20,16 @@ def main() -> None:
     ap.add_argument("--report", required=True)
     ap.add_argument("--summary", required=True)
     ap.add_argument("--figures", required=True)
+    ap.add_argument("--curves", required=True, help="per-epoch curves of all variants, for dvc plots")
     args = ap.parse_args()
 
     cfg = config.load(args.params)
     info = json.loads(Path(args.env).read_text())
     md, summary_path, fig_dir = Path(args.report), Path(args.summary), Path(args.figures)
-    summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants))
+    changed = {k: v for k, v in config.flatten(config.to_dict(cfg)).items()
+               if config.flatten(config.to_dict(config.Config())).get(k, object()) != v}
+    summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants), changed,
+                           curves_csv=Path(args.curves))
     print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
 
     if cfg.mlflow.enabled:

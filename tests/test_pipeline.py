@@ -55,11 +55,20 @@ def test_every_declared_output_exists(pipeline):
     assert all(f"| {v} |" in md for v in VARIANTS)
     summary = json.loads((r / "summary.json").read_text())
     assert set(summary["variants"]) == set(VARIANTS) and summary["variants"]["fp32"]["speedup"] == 1.0
-    assert (r / "figures" / "throughput.png").is_file()
+    for fig in ("throughput", "memory", "curves", "loss_scale", "numerics_audit"):
+        assert (r / "figures" / f"{fig}.png").is_file(), fig
+    md_lines = md.splitlines()
+    assert md_lines[2].startswith("On this CPU") and "FP16-AMP" in md_lines[2]  # the verdict comes first
+    assert "## Numerical safety" in md and "fp16 numerics audit of `amp`" in md
+    curves = (r / "curves.csv").read_text().splitlines()
+    assert curves[0] == "variant,epoch,eval_acc,train_loss,eval_loss" and len(curves) == 1 + len(VARIANTS)
 
 
-def test_dvc_metrics_and_lock(pipeline):
+def test_dvc_metrics_plots_and_lock(pipeline):
     repo, _ = pipeline
+    plots = _dvc(repo, "plots", "show", "--json", "accuracy")
+    assert plots.returncode == 0, plots.stderr[-2000:]
+    assert all(f'"variant": "{v}"' in plots.stdout for v in VARIANTS)
     shown = _dvc(repo, "metrics", "show", "--json")
     assert shown.returncode == 0 and "speedup" in shown.stdout and "final_acc" in shown.stdout
     lock = yaml.safe_load((repo / "dvc.lock").read_text())

@@ -444,8 +444,8 @@ def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True,
         ckpt = Path(checkpoint_dir) / f"repeat{i + 1}" if checkpoint_dir is not None else None
         runs.append(train(dataclasses.replace(plan, seed=plan.seed + i), data, progress=progress,
                           checkpoint_dir=ckpt))
-    out = RunResult(metrics=dict(runs[0].metrics), history=runs[0].history, scale_history=runs[0].scale_history,
-                    step_times_ms=[t for r in runs for t in r.step_times_ms])
+    out = dataclasses.replace(runs[0], metrics=dict(runs[0].metrics),
+                              step_times_ms=[t for r in runs for t in r.step_times_ms])
     m = out.metrics
     for key in REPEATED:
         values = [r.metrics[key] for r in runs if r.metrics.get(key) is not None]

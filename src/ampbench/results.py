@@ -40,7 +40,7 @@ def write_json(path: Path, obj) -> None:
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def _csv_text(rows: list[dict], columns: list[str]) -> str:
+def csv_text(rows: list[dict], columns: list[str]) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
@@ -64,9 +64,9 @@ def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: 
     out_dir = Path(out_dir)
     hist_cols = list(history[0]) if history else ["epoch"]
     num_cols = list(numerics[0]) if numerics else ["layer"]
-    atomic_write(out_dir / NUMERICS, _csv_text(list(numerics), num_cols))
-    atomic_write(out_dir / HISTORY, _csv_text(history, hist_cols))
-    atomic_write(out_dir / SCALE, _csv_text(scale_history, ["step", "scale", "skipped"]))
+    atomic_write(out_dir / NUMERICS, csv_text(list(numerics), num_cols))
+    atomic_write(out_dir / HISTORY, csv_text(history, hist_cols))
+    atomic_write(out_dir / SCALE, csv_text(scale_history, ["step", "scale", "skipped"]))
     write_json(out_dir / STEP_TIMES, [round(t, 4) for t in step_times_ms])
     write_json(out_dir / METRICS, _clean(metrics))  # last: its presence means the run is complete
 

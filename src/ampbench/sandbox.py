@@ -70,6 +70,7 @@ def create(dest: Path, params: dict, source: Path = REPO_ROOT) -> Path:
     if not (dest / ".dvc").exists():
         _run([sys.executable, "-m", "dvc", "init", "-q"], dest)
         _run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], dest)
+    shutil.copytree(source / ".dvc" / "plots", dest / ".dvc" / "plots", dirs_exist_ok=True)  # plot templates
     return dest
 
 

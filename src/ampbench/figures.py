@@ -1,0 +1,122 @@
+"""Figures for the report and the MLflow runs (PNG, labelled axes and units), from run files only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+MIB = 2 ** 20
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def throughput(runs: dict[str, dict], path: Path) -> Path:
+    """Median img/s per variant, with bars from the p90 to the p10 step time."""
+    names, med, lo, hi = [], [], [], []
+    for name, run in runs.items():
+        m = run["metrics"]
+        st, bs = m.get("step_time_ms") or {}, m.get("batch_size") or 0
+        if not (st.get("median") and st.get("p10") and st.get("p90")):
+            continue
+        names.append(name)
+        med.append(bs / st["median"] * 1000)
+        lo.append(bs / st["p90"] * 1000)
+        hi.append(bs / st["p10"] * 1000)
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    spread = [[m - v for m, v in zip(med, lo, strict=True)], [v - m for m, v in zip(med, hi, strict=True)]]
+    ax.bar(names, med, yerr=spread, capsize=4, color="#4c72b0")
+    ax.set_ylabel("images / s")
+    ax.set_title("Training throughput (median step; bars: p10 to p90 step time)")
+    return _save(fig, path)
+
+
+def memory(runs: dict[str, dict], path: Path) -> Path:
+    """Per variant: parameters, gradients, optimizer state and activations (stacked), and the measured peak."""
+    names = list(runs)
+    parts = [("param_bytes", "parameters"), ("grad_bytes", "gradients"), ("optimizer_state_bytes", "optimizer state"),
+             ("activation_bytes", "activations (one micro-batch)")]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    bottom = [0.0] * len(names)
+    for key, label in parts:
+        vals = [(runs[n]["metrics"].get(key) or 0) / MIB for n in names]
+        ax.bar(names, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    peaks = [(runs[n]["metrics"].get("peak_mem_bytes") or 0) / MIB for n in names]
+    meter = next(iter(runs.values()))["metrics"].get("mem_meter", "peak")
+    ax.plot(names, peaks, "k_", markersize=30, mew=2, label=f"measured peak ({meter})")
+    ax.set_ylabel("MiB")
+    ax.set_title("Memory per variant")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def curves(runs: dict[str, dict], path: Path) -> Path:
+    """Evaluation accuracy and training loss per epoch, all variants on one plot each."""
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for name, run in runs.items():
+        h = run["history"]
+        ep = [int(r["epoch"]) for r in h]
+        a1.plot(ep, [float(r["eval_acc"]) * 100 for r in h], marker="o", label=name)
+        a2.plot(ep, [float(r["train_loss"]) for r in h], marker="o", label=name)
+    a1.set(xlabel="epoch", ylabel="eval accuracy (%)", title="Accuracy per epoch")
+    a2.set(xlabel="epoch", ylabel="train loss (cross-entropy)", title="Loss per epoch")
+    a1.legend()
+    return _save(fig, path)
+
+
+def loss_scale(runs: dict[str, dict], path: Path) -> Path:
+    """The fp16 loss scale over optimizer steps, skipped (overflow) steps marked."""
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for name, run in runs.items():
+        rows = run["scale"]
+        if not rows:
+            continue
+        steps = [int(r["step"]) for r in rows]
+        scales = [float(r["scale"]) for r in rows]
+        last_step = int(run["metrics"].get("optimizer_steps") or steps[-1])
+        line, = ax.step(steps + [last_step], scales + [scales[-1]], where="post", label=name)
+        skipped = [(s, v) for s, v, r in zip(steps, scales, rows, strict=True) if r["skipped"] == "True"]
+        if skipped:
+            ax.plot(*zip(*skipped, strict=True), "x", color=line.get_color(), markersize=8)
+    ax.set_yscale("log", base=2)
+    ax.set(xlabel="optimizer step", ylabel="loss scale", title="fp16 loss scale (x: skipped overflow steps)")
+    if ax.lines:
+        ax.legend()
+    return _save(fig, path)
+
+
+def audit(runs: dict[str, dict], path: Path) -> Path | None:
+    """Per layer of the first audited variant: gradient values lost to fp16, unscaled and at the scale in use."""
+    name = next((n for n, r in runs.items() if r["numerics"]), None)
+    if name is None:
+        return None
+    rows = runs[name]["numerics"]
+    scale = runs[name]["metrics"].get("final_loss_scale")
+    layers = [r["layer"] for r in rows]
+    x = range(len(layers))
+    fig, ax = plt.subplots(figsize=(max(7, len(layers) * 0.18), 3.8))
+    for key, label in (("grad_underflow", "flush to zero, unscaled"), ("grad_subnormal", "subnormal, unscaled"),
+                       ("grad_scaled_underflow", f"flush to zero at scale {scale:g}"),
+                       ("grad_scaled_overflow", f"overflow at scale {scale:g}")):
+        ax.plot(x, [float(r[key]) * 100 for r in rows], marker=".", label=label)
+    ax.set_xticks(list(x), layers, rotation=90, fontsize=6)
+    ax.set(ylabel="% of gradient values", title=f"fp16 numerics audit of {name}, per layer (execution order)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def all_figures(runs: dict[str, dict], fig_dir: Path) -> list[Path]:
+    made = [throughput(runs, fig_dir / "throughput.png"), memory(runs, fig_dir / "memory.png"),
+            curves(runs, fig_dir / "curves.png"), loss_scale(runs, fig_dir / "loss_scale.png"),
+            audit(runs, fig_dir / "numerics_audit.png")]
+    return [p for p in made if p is not None]
