@@ -41,22 +41,21 @@ def throughput(runs: dict[str, dict], path: Path) -> Path:
 
 
 def memory(runs: dict[str, dict], path: Path) -> Path:
-    """Per variant: parameters, gradients, optimizer state and activations (stacked), and the measured peak."""
+    """Per variant: what the model holds (parameters, gradients, optimizer state, activations), and the peak."""
     names = list(runs)
     parts = [("param_bytes", "parameters"), ("grad_bytes", "gradients"), ("optimizer_state_bytes", "optimizer state"),
              ("activation_bytes", "activations (one micro-batch)")]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9.5, 3.8))
     bottom = [0.0] * len(names)
     for key, label in parts:
         vals = [(runs[n]["metrics"].get(key) or 0) / MIB for n in names]
-        ax.bar(names, vals, bottom=bottom, label=label)
+        a1.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    peaks = [(runs[n]["metrics"].get("peak_mem_bytes") or 0) / MIB for n in names]
-    meter = next(iter(runs.values()))["metrics"].get("mem_meter", "peak")
-    ax.plot(names, peaks, "k_", markersize=30, mew=2, label=f"measured peak ({meter})")
-    ax.set_ylabel("MiB")
-    ax.set_title("Memory per variant")
-    ax.legend(fontsize=7)
+    a1.set(ylabel="MiB", title="Model memory by part (counted)")
+    a1.legend(fontsize=7)
+    meter = next(iter(runs.values()))["metrics"].get("mem_meter") or "peak"
+    a2.bar(names, [(runs[n]["metrics"].get("peak_mem_bytes") or 0) / MIB for n in names], color="#555555")
+    a2.set(ylabel="MiB", title=f"Measured peak ({meter})")
     return _save(fig, path)
 
 
@@ -102,7 +101,7 @@ def audit(runs: dict[str, dict], path: Path) -> Path | None:
         return None
     rows = runs[name]["numerics"]
     scale = runs[name]["metrics"].get("final_loss_scale")
-    layers = [r["layer"] for r in rows]
+    layers = [f"{r['layer']} {r['type']}" for r in rows]
     x = range(len(layers))
     fig, ax = plt.subplots(figsize=(max(7, len(layers) * 0.18), 3.8))
     for key, label in (("grad_underflow", "flush to zero, unscaled"), ("grad_subnormal", "subnormal, unscaled"),

@@ -34,12 +34,17 @@ def _bytes(n) -> str:
     return f"{n} B"
 
 
+def _x(ratio: float) -> str:
+    """A ratio with enough digits to tell small ones apart: 3.21, 0.95, 0.0213."""
+    return f"{ratio:.2f}" if ratio >= 0.1 else f"{ratio:.3g}"
+
+
 def _speedup(row: dict) -> str:
     if row.get("speedup") is None:
         return "n/a"
     lo, hi = row.get("speedup_ci95") or [None, None]
-    ci = f" ({lo:.2f} to {hi:.2f})" if lo is not None and hi is not None else ""
-    return f"{row['speedup']:.2f}x{ci}"
+    ci = f" ({_x(lo)} to {_x(hi)})" if lo is not None and hi is not None else ""
+    return f"{_x(row['speedup'])}x{ci}"
 
 
 def _pct_change(ratio) -> str:
@@ -139,13 +144,13 @@ def verdict(summary: dict, env: dict) -> str:
     r, base = rows[name], rows[base_name]
     where = env["gpu"]["name"] if env.get("gpu") else f"this CPU ({env.get('cpu_model')})"
     sp, (lo, hi) = r["speedup"], r.get("speedup_ci95") or [None, None]
-    ci = f" (95% CI {lo:.2f} to {hi:.2f})" if lo is not None and hi is not None else ""
+    ci = f" (95% CI {_x(lo)} to {_x(hi)})" if lo is not None and hi is not None else ""
     if lo is not None and lo > 1.02:
-        speed = f"trained {sp:.2f}x faster{ci} than strict FP32"
+        speed = f"trained {_x(sp)}x faster{ci} than strict FP32"
     elif hi is not None and hi < 0.98:
-        speed = f"was slower than FP32: {sp:.2f}x its throughput{ci}"
+        speed = f"was slower than FP32: {_x(sp)}x its throughput{ci}"
     else:
-        speed = f"was no faster than FP32 ({sp:.2f}x{ci})"
+        speed = f"was no faster than FP32 ({_x(sp)}x{ci})"
     mem = r.get("mem_ratio")
     mem_text = (f"using {abs(mem - 1):.0%} {'less' if mem < 1 else 'more'} peak memory" if mem is not None
                 else "with peak memory not measured")
