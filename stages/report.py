@@ -17,6 +17,7 @@ def main() -> None:
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--runs", required=True)
     ap.add_argument("--env", required=True)
+    ap.add_argument("--plans", required=True, help="the run plans, to tag the report with its pipeline")
     ap.add_argument("--report", required=True)
     ap.add_argument("--summary", required=True)
     ap.add_argument("--figures", required=True)
@@ -34,7 +35,9 @@ def main() -> None:
 
     if cfg.mlflow.enabled:
         from ampbench import tracking
-        tracking.safely("report", tracking.log_report, cfg.mlflow, Path.cwd(), md, summary_path, fig_dir, info)
+        pipeline = tracking.pipeline_id(Path(args.plans), Path(args.env))
+        tracking.safely("report", tracking.log_report, cfg.mlflow, Path.cwd(), md, summary_path, fig_dir, info,
+                        pipeline)
 
 
 if __name__ == "__main__":

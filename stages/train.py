@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ampbench import checkpoint, config, data, engine, env, results
 from ampbench.errors import NonFiniteTraining, run_cli
+from ampbench.sysmon import SystemMonitor
 
 
 def main() -> None:
@@ -29,28 +30,34 @@ def main() -> None:
     info = json.loads(Path(args.env).read_text())
     prepared = data.load_prepared(Path(args.data), plan.device)
     out = Path(args.out)
+    monitor = SystemMonitor(interval_s=0.5)
     try:
-        result = engine.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints))
+        with monitor:
+            result = engine.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints))
     except NonFiniteTraining as err:  # keep what the completed epochs measured, with the diagnosis
         if err.result is not None:
-            save(plan, err.result, info, out)
+            err.result.system = monitor.rows
+            save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env))
         raise
-    save(plan, result, info, out)
+    result.system = monitor.rows
+    save(plan, result, info, out, Path(args.plan).parent, Path(args.env))
     checkpoint.clear(Path(args.checkpoints))
     print(f"train@{plan.variant}: final accuracy {result.metrics['final_acc']:.4f}, "
           f"{result.metrics['imgs_per_s'] or 0:.0f} img/s -> {out}")
 
 
-def save(plan: config.RunPlan, result: engine.RunResult, info: dict, out: Path) -> None:
+def save(plan: config.RunPlan, result: engine.RunResult, info: dict, out: Path, plans_dir: Path,
+         env_path: Path) -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
     result.metrics["git_commit"] = env.git_commit()
     result.metrics["env_fingerprint"] = env.fingerprint(info)
     results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
-                      result.numerics)
+                      result.numerics, result.system)
     if plan.mlflow.enabled:
         from ampbench import tracking
+        pipeline = tracking.pipeline_id(plans_dir, env_path)
         tracking.safely(f"train@{plan.variant}", tracking.log_variant, plan.mlflow, Path.cwd(), out,
-                        config.to_dict(plan), info)
+                        config.to_dict(plan), info, pipeline)
 
 
 if __name__ == "__main__":

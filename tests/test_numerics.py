@@ -102,6 +102,7 @@ def test_fp32_nan_is_caught_without_a_scaler(tiny, monkeypatch):
         engine.train(_plan("fp32", "fp32"), tiny, progress=False)
 
 
+@pytest.mark.filterwarnings("ignore:Error detected in:UserWarning")  # detect_anomaly prints the forward trace
 def test_detect_anomaly_reports_the_failing_op(tiny, monkeypatch):
     monkeypatch.setattr(models, "build", _poisoned_build(after=0))
     with pytest.raises(NonFiniteTraining, match="detect_anomaly"):

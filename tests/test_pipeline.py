@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 import pytest
 import yaml
@@ -88,6 +91,58 @@ def test_mlflow_has_a_run_per_stage(pipeline):
     assert len(client.get_metric_history(amp.info.run_id, "epoch/eval_acc")) == 1
     assert {a.path for a in client.list_artifacts(amp.info.run_id)} >= {"metrics.json", "history.csv"}
     assert "report.md" in {a.path for a in client.list_artifacts(by_name["report"].info.run_id)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _api(base: str, path: str, body: dict | None = None) -> dict:
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def test_mlflow_server_serves_the_runs(pipeline):
+    """`mlflow server` on the pipeline's store: the runs, their metrics, tags and artifacts, over the REST API."""
+    repo, _ = pipeline
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                               f"sqlite:///{repo / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1"], cwd=repo, env=sandbox.env_with_venv(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2):
+                    break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
+                time.sleep(0.5)
+        exp = _api(base, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ampbench")["experiment"]
+        runs = _api(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]]})["runs"]
+        by_name = {r["info"]["run_name"]: r for r in runs}
+        assert set(by_name) == {"train@fp32", "train@amp", "train@amp_accum", "report"}
+        tags = {name: {t["key"]: t["value"] for t in r["data"]["tags"]} for name, r in by_name.items()}
+        assert len({t["ampbench.pipeline"] for t in tags.values()}) == 1  # one pipeline, one shared tag
+        metrics = {m["key"] for m in by_name["train@amp"]["data"]["metrics"]}
+        assert {"final_acc", "imgs_per_s", "loss_scale", "system/process_rss_bytes"} <= metrics
+        for name, wanted in (("train@amp", {"metrics.json", "history.csv", "figures"}),
+                             ("report", {"report.md", "summary.json", "figures"})):
+            rid = by_name[name]["info"]["run_id"]
+            files = _api(base, f"/api/2.0/mlflow/artifacts/list?run_id={rid}")["files"]
+            assert wanted <= {f["path"] for f in files}, files
+        figs = _api(base, f"/api/2.0/mlflow/artifacts/list?run_id={by_name['report']['info']['run_id']}"
+                          "&path=figures")["files"]
+        assert {"figures/throughput.png", "figures/curves.png"} <= {f["path"] for f in figs}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 def test_editing_the_loss_scale_reruns_only_the_amp_stages(pipeline):

@@ -47,6 +47,7 @@ class RunResult:
     scale_history: list[dict] = field(default_factory=list)  # every loss-scale change: step, scale, skipped
     step_times_ms: list[float] = field(default_factory=list)  # timed (post-warm-up) steps, end to end
     numerics: list[dict] = field(default_factory=list)  # the fp16 audit, one row per layer
+    system: list[dict] = field(default_factory=list)    # CPU/memory/GPU samples taken while training
 
 
 def lr_lambda(total_steps: int):

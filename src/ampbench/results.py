@@ -5,6 +5,7 @@
 - ``loss_scale.csv``: every change of the fp16 loss scale, with its step
 - ``step_times.json``: the timed step times, for the report's confidence intervals
 - ``numerics.csv``: the fp16 numerics audit, one row per layer (fp16 variants)
+- ``system.csv``: CPU, memory (and GPU) samples taken during training
 
 Files are written under a temporary name and renamed, so a reader never sees half a file.
 """
@@ -19,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
-NUMERICS = "numerics.csv"
+NUMERICS, SYSTEM = "numerics.csv", "system.csv"
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -60,8 +61,10 @@ def _clean(obj):
 
 
 def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: list[dict],
-              step_times_ms: list[float], numerics: list[dict] = ()) -> None:
+              step_times_ms: list[float], numerics: list[dict] = (), system: list[dict] = ()) -> None:
     out_dir = Path(out_dir)
+    from ampbench.sysmon import COLUMNS
+    atomic_write(out_dir / SYSTEM, csv_text(list(system), COLUMNS))
     hist_cols = list(history[0]) if history else ["epoch"]
     num_cols = list(numerics[0]) if numerics else ["layer"]
     atomic_write(out_dir / NUMERICS, csv_text(list(numerics), num_cols))
@@ -82,9 +85,11 @@ def read_run(run_dir: Path) -> dict:
     if (run_dir / SCALE).is_file():
         with open(run_dir / SCALE) as f:
             out["scale"] = list(csv.DictReader(f))
-    if (run_dir / NUMERICS).is_file():
-        with open(run_dir / NUMERICS) as f:
-            out["numerics"] = list(csv.DictReader(f))
+    for key, name in (("numerics", NUMERICS), ("system", SYSTEM)):
+        out[key] = []
+        if (run_dir / name).is_file():
+            with open(run_dir / name) as f:
+                out[key] = list(csv.DictReader(f))
     if (run_dir / STEP_TIMES).is_file():
         out["step_times_ms"] = json.loads((run_dir / STEP_TIMES).read_text())
     return out

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 
 # Fail fast against an unreachable server instead of minutes of retries (set before mlflow is imported).
@@ -22,7 +23,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from ampbench import results  # noqa: E402
+from ampbench import figures, results  # noqa: E402
 from ampbench.config import MlflowConfig, flatten, tracking_uri  # noqa: E402
 from ampbench.env import fingerprint, git_commit  # noqa: E402
 
@@ -48,12 +49,22 @@ def _metric_value(value) -> float | None:
         return None
 
 
-def file_key(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:20]
+def file_key(*paths: Path) -> str:
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(Path(path).read_bytes())
+    return h.hexdigest()[:20]
+
+
+def pipeline_id(plans_dir: Path, env_path: Path) -> str:
+    """The same for every run of one pipeline configuration (all variants' plans and this machine)."""
+    files = sorted(Path(plans_dir).glob("*.json")) + [Path(env_path)]
+    return file_key(*[f for f in files if f.is_file()])[:12]
 
 
 def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, params: dict, metrics: dict,
-            tags: dict, history: list[dict] | None = None, artifacts: list[Path] = ()) -> tuple[str, bool]:
+            tags: dict, history: list[dict] | None = None, artifacts: list[Path] = (),
+            series: list[Metric] = ()) -> tuple[str, bool]:
     """Log one finished stage execution as an MLflow run; (run id, whether it was new)."""
     uri = tracking_uri(cfg, repo_root)
     client = MlflowClient(uri)
@@ -72,6 +83,7 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
                 v = _metric_value(value)
                 if name != "epoch" and v is not None:
                     ms.append(Metric(f"epoch/{name}", v, 0, int(row["epoch"])))  # step = epoch
+        ms += list(series)
         for i in range(0, len(flat_params), 100):  # log_batch takes at most 100 params a call
             client.log_batch(rid, params=flat_params[i:i + 100])
         for i in range(0, len(ms), 1000):
@@ -88,29 +100,51 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     return rid, True
 
 
-def _tags(stage: str, variant: str, metrics: dict, env_info: dict) -> dict:
-    """Tags that make one pipeline execution's runs easy to find and compare in the UI."""
+def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str | None) -> dict:
+    """Tags that make one pipeline's runs easy to find and compare in the UI (filter on ampbench.pipeline)."""
     return {"stage": stage, "variant": variant, "precision": metrics.get("precision"),
             "accum_steps": metrics.get("accum_steps"), "git_commit": metrics.get("git_commit") or git_commit(),
-            "dvc_exp_name": os.environ.get("DVC_EXP_NAME"), "env_fingerprint": fingerprint(env_info)}
+            "dvc_exp_name": os.environ.get("DVC_EXP_NAME"), "env_fingerprint": fingerprint(env_info),
+            "ampbench.pipeline": pipeline}
 
 
-def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, env_info: dict) -> tuple[str, bool]:
-    """Log a train stage's run folder (metrics, per-epoch history, files) as one run."""
+def _series(run: dict) -> list[Metric]:
+    """The loss scale per optimizer step, and the system samples per sampling step."""
+    out = [Metric("loss_scale", float(r["scale"]), 0, int(r["step"])) for r in run["scale"]]
+    for i, row in enumerate(run.get("system") or []):
+        for key, value in row.items():
+            v = _metric_value(value)
+            if key != "t_s" and v is not None and value != "":
+                out.append(Metric(f"system/{key}", v, int(float(row["t_s"]) * 1000), i))
+    return out
+
+
+def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, env_info: dict,
+                pipeline: str | None = None) -> tuple[str, bool]:
+    """Log a train stage's run folder (metrics, per-epoch history, series, files, figures) as one run."""
     run = results.read_run(run_dir)
     m = run["metrics"]
-    return log_run(cfg, repo_root, run_name=f"train@{m['variant']}", key=file_key(run_dir / results.METRICS),
-                   params=plan, metrics=m, history=run["history"], tags=_tags("train", m["variant"], m, env_info),
-                   artifacts=[run_dir / results.METRICS, run_dir / results.HISTORY, run_dir / results.SCALE])
+    one = {m["variant"]: run}
+    with tempfile.TemporaryDirectory() as tmp:
+        fig_dir = Path(tmp) / "figures"
+        figures.curves(one, fig_dir / "curves.png")
+        if run["scale"]:
+            figures.loss_scale(one, fig_dir / "loss_scale.png")
+        figures.audit(one, fig_dir / "numerics_audit.png")
+        files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.NUMERICS,
+                                             results.SYSTEM)]
+        return log_run(cfg, repo_root, run_name=f"train@{m['variant']}", key=file_key(run_dir / results.METRICS),
+                       params=plan, metrics=m, history=run["history"], series=_series(run),
+                       tags=_tags("train", m["variant"], m, env_info, pipeline), artifacts=[*files, fig_dir])
 
 
 def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json: Path, fig_dir: Path,
-               env_info: dict) -> tuple[str, bool]:
+               env_info: dict, pipeline: str | None = None) -> tuple[str, bool]:
     summary = json.loads(Path(summary_json).read_text())
-    return log_run(cfg, repo_root, run_name="report", key=file_key(summary_json),
+    return log_run(cfg, repo_root, run_name="report", key=file_key(summary_json, report_md),
                    params={"variants": ",".join(summary["variants"]), "baseline": summary["baseline"]},
-                   metrics={"variants": summary["variants"]}, tags=_tags("report", "report", {}, env_info),
-                   artifacts=[report_md, summary_json, fig_dir])
+                   metrics={"variants": summary["variants"]},
+                   tags=_tags("report", "report", {}, env_info, pipeline), artifacts=[report_md, summary_json, fig_dir])
 
 
 def safely(what: str, fn, *args) -> str | None:
@@ -130,11 +164,14 @@ def sync(cfg: MlflowConfig, repo_root: Path, runs_dir: Path, plans_dir: Path, en
          report_md: Path, summary_json: Path, fig_dir: Path) -> int:
     """Log every on-disk run not yet in MLflow (the train runs, then the report); return how many failed."""
     env_info = json.loads(Path(env_path).read_text()) if Path(env_path).is_file() else {}
+    pipeline = pipeline_id(plans_dir, env_path)
     failed = 0
-    for name, _ in results.read_runs(runs_dir).items():
+    for name in results.read_runs(runs_dir):
         plan_file = Path(plans_dir) / f"{name}.json"
         plan = json.loads(plan_file.read_text()) if plan_file.is_file() else {}
-        failed += safely(f"train@{name}", log_variant, cfg, repo_root, Path(runs_dir) / name, plan, env_info) is None
+        failed += safely(f"train@{name}", log_variant, cfg, repo_root, Path(runs_dir) / name, plan, env_info,
+                         pipeline) is None
     if Path(summary_json).is_file():
-        failed += safely("report", log_report, cfg, repo_root, report_md, summary_json, fig_dir, env_info) is None
+        failed += safely("report", log_report, cfg, repo_root, report_md, summary_json, fig_dir, env_info,
+                         pipeline) is None
     return failed
