@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--arch", default="small_cnn", choices=list(models.ARCHS))
     ap.add_argument("--precision", default="fp32", choices=list(DTYPES))
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--images", type=int, default=4096)
+    ap.add_argument("--images", type=int, default=16384)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--target", type=float, default=1.0)

@@ -71,7 +71,16 @@ def create(dest: Path, params: dict, source: Path = REPO_ROOT) -> Path:
         _run([sys.executable, "-m", "dvc", "init", "-q"], dest)
         _run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], dest)
     shutil.copytree(source / ".dvc" / "plots", dest / ".dvc" / "plots", dirs_exist_ok=True)  # plot templates
+    commit(dest, "ampbench pipeline")  # so that `dvc exp run` works there
     return dest
+
+
+def commit(dest: Path, message: str) -> None:
+    """Commit whatever changed in the sandbox (code, params, dvc.lock, metrics)."""
+    _run(["git", "add", "-A"], dest)
+    if subprocess.run(["git", "diff", "--cached", "--quiet"], cwd=dest).returncode:
+        _run(["git", "-c", "user.name=ampbench", "-c", "user.email=ampbench@localhost", "commit", "-q", "-m",
+              message], dest)
 
 
 def repro(dest: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
