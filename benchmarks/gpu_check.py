@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ampbench import data, engine, env, measure
+from ampbench import data, env, measure, runner
 from ampbench.config import AmpConfig, MlflowConfig, ModelConfig, RunPlan, TrainConfig
 
 VARIANTS = [  # name, precision, accum_steps, allow_tf32
@@ -66,7 +66,7 @@ def main() -> None:
         if precision == "bf16" and args.device == "cuda" and not info["gpu"]["bf16_supported"]:
             print(f"{name}: skipped, this GPU has no native bf16")
             continue
-        result = engine.train_repeats(plan_for(name, precision, accum, tf32, args), speed_data, progress=False)
+        result = runner.train_repeats(plan_for(name, precision, accum, tf32, args), speed_data, progress=False)
         rows[name] = result.metrics
         m = result.metrics
         print(f"{name}: {m['imgs_per_s']:,.0f} img/s ({time.perf_counter() - t0:.0f}s elapsed)", flush=True)
@@ -75,7 +75,7 @@ def main() -> None:
     accuracy = {}
     for name, precision in (("fp32_strict", "fp32"), ("fp16_amp", "fp16")):
         plan = plan_for(name, precision, 1, False, args, epochs=args.acc_epochs, repeats=1)
-        accuracy[name] = engine.train(plan, acc_data, progress=False).metrics["final_acc"]
+        accuracy[name] = runner.train(plan, acc_data, progress=False).metrics["final_acc"]
         print(f"accuracy run {name}: {accuracy[name]:.4f}", flush=True)
 
     base = rows.get("fp32_strict", {}).get("imgs_per_s_runs")

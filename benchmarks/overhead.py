@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from ampbench import config, data, engine, models
+from ampbench import config, data, models, runner
 from ampbench.config import MlflowConfig, ModelConfig, RunPlan, TrainConfig
 from ampbench.measure import synchronize
 from ampbench.precision import DTYPES
@@ -88,8 +88,8 @@ def main() -> None:
     for r in range(args.rounds):
         plain = plain_loop(args.arch, True, x_float, y.cpu(), args.batch, args.precision, args.device,
                            args.warmup, seed=r)
-        same = engine.train(plan(False), prepared, progress=False).metrics
-        aug = engine.train(plan(True), prepared, progress=False).metrics
+        same = runner.train(plan(False), prepared, progress=False).metrics
+        aug = runner.train(plan(True), prepared, progress=False).metrics
         ratios.append(same["imgs_per_s"] / plain)
         aug_ratios.append(aug["imgs_per_s"] / plain)
         shares.append(same["data_time_fraction"])

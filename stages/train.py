@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ampbench import checkpoint, config, data, engine, env, results
+from ampbench import checkpoint, config, data, engine, env, results, runner
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.sysmon import SystemMonitor
 
@@ -33,7 +33,7 @@ def main() -> None:
     monitor = SystemMonitor(interval_s=0.5)
     try:
         with monitor:
-            result = engine.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints))
+            result = runner.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints))
     except NonFiniteTraining as err:  # keep what the completed epochs measured, with the diagnosis
         if err.result is not None:
             err.result.system = monitor.rows

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, engine, models, numerics
+from ampbench import config, data, engine, models, numerics, runner
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.sandbox import REPO_ROOT
 
@@ -78,7 +78,7 @@ def test_overflowing_step_is_skipped_with_weights_unchanged(tiny, monkeypatch):
         return loss
 
     monkeypatch.setattr(engine, "accumulate_gradients", poisoned)
-    result = engine.train(_plan(), tiny, progress=False)
+    result = runner.train(_plan(), tiny, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2], strict=True))  # step 2 skipped
     assert not all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshots[1], strict=True))
     m = result.metrics
@@ -89,7 +89,7 @@ def test_overflowing_step_is_skipped_with_weights_unchanged(tiny, monkeypatch):
 def test_persistent_nan_names_the_layer_and_stops(tiny, monkeypatch):
     monkeypatch.setattr(models, "build", _poisoned_build(after=0))
     with pytest.raises(NonFiniteTraining) as err:
-        engine.train(_plan(), tiny, progress=False)
+        runner.train(_plan(), tiny, progress=False)
     msg = str(err.value)
     assert "3 steps in a row had an inf/NaN loss" in msg and "first module with an inf/NaN output: 2.0" in msg
     assert err.value.result.metrics["diagnosis"]["first_bad_module"] == "2.0"
@@ -99,14 +99,14 @@ def test_persistent_nan_names_the_layer_and_stops(tiny, monkeypatch):
 def test_fp32_nan_is_caught_without_a_scaler(tiny, monkeypatch):
     monkeypatch.setattr(models, "build", _poisoned_build(after=0))
     with pytest.raises(NonFiniteTraining, match="training loss became inf/NaN"):
-        engine.train(_plan("fp32", "fp32"), tiny, progress=False)
+        runner.train(_plan("fp32", "fp32"), tiny, progress=False)
 
 
 @pytest.mark.filterwarnings("ignore:Error detected in:UserWarning")  # detect_anomaly prints the forward trace
 def test_detect_anomaly_reports_the_failing_op(tiny, monkeypatch):
     monkeypatch.setattr(models, "build", _poisoned_build(after=0))
     with pytest.raises(NonFiniteTraining, match="detect_anomaly"):
-        engine.train(_plan("fp32", "fp32", debug={"detect_anomaly": True}), tiny, progress=False)
+        runner.train(_plan("fp32", "fp32", debug={"detect_anomaly": True}), tiny, progress=False)
 
 
 def test_stage_exits_3_and_keeps_completed_epochs(tiny, tmp_path, monkeypatch, capsys):
@@ -134,7 +134,7 @@ def test_stage_exits_3_and_keeps_completed_epochs(tiny, tmp_path, monkeypatch, c
 
 
 def test_audit_rows(tiny):
-    result = engine.train(_plan(), tiny, progress=False)
+    result = runner.train(_plan(), tiny, progress=False)
     rows = {r["layer"]: r for r in result.numerics}
     conv = rows["0.0"]
     assert conv["autocast_dtype"] == "float16" and conv["type"] == "Conv2d"
@@ -145,6 +145,6 @@ def test_audit_rows(tiny):
 
 
 def test_accumulation_check_in_metrics(tiny):
-    m = engine.train(_plan("acc", "fp16", variants={"acc": {"precision": "fp16", "accum_steps": 4}}), tiny,
+    m = runner.train(_plan("acc", "fp16", variants={"acc": {"precision": "fp16", "accum_steps": 4}}), tiny,
                      progress=False).metrics
     assert m["accum_grad_max_rel_diff"] < 1e-5

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, engine, models
+from ampbench import config, data, engine, models, runner
 from ampbench.config import AmpConfig
 from ampbench.precision import PrecisionPolicy, micro_batch_size
 
@@ -69,7 +69,7 @@ def tiny_data(tmp_path_factory):
 def test_one_epoch_per_precision(tiny_params, tiny_data, variant):
     tiny_params["variants"]["bf16"] = {"precision": "bf16", "accum_steps": 2}
     plan = _plan(tiny_params, variant)
-    result = engine.train(plan, tiny_data, progress=False)
+    result = runner.train(plan, tiny_data, progress=False)
     m = result.metrics
     assert m["variant"] == variant and m["optimizer_steps"] == 2 and m["timed_steps"] == 1
     assert m["micro_batch_size"] == 32 // plan.accum_steps
@@ -84,9 +84,9 @@ def test_one_epoch_per_precision(tiny_params, tiny_data, variant):
 
 
 def test_fp16_saves_activation_memory(tiny_params, tiny_data):
-    fp32 = engine.train(_plan(tiny_params, "fp32"), tiny_data, progress=False).metrics
-    amp = engine.train(_plan(tiny_params, "amp"), tiny_data, progress=False).metrics
-    accum = engine.train(_plan(tiny_params, "amp_accum"), tiny_data, progress=False).metrics
+    fp32 = runner.train(_plan(tiny_params, "fp32"), tiny_data, progress=False).metrics
+    amp = runner.train(_plan(tiny_params, "amp"), tiny_data, progress=False).metrics
+    accum = runner.train(_plan(tiny_params, "amp_accum"), tiny_data, progress=False).metrics
     assert amp["activation_bytes"] < 0.75 * fp32["activation_bytes"]
     assert accum["activation_bytes"] < 0.4 * amp["activation_bytes"]  # a quarter of the batch per forward
 
@@ -104,7 +104,7 @@ def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeyp
         return loss
 
     monkeypatch.setattr(engine, "accumulate_gradients", poisoned)
-    result = engine.train(_plan(tiny_params, "amp"), tiny_data, progress=False)
+    result = runner.train(_plan(tiny_params, "amp"), tiny_data, progress=False)
     m = result.metrics
     assert m["skipped_steps"] == 1 and m["final_loss_scale"] == 4096
     assert result.scale_history[1] == {"step": 1, "scale": 4096.0, "skipped": True}

@@ -3,41 +3,27 @@
     python stages/train.py --plan reports/plans/amp.json ...   # what DVC runs for train@amp
 
 Variants differ only in data passed in: the precision policy (autocast dtype,
-GradScaler) and ``accum_steps``. ``train(plan, data)`` returns a ``RunResult``;
-writing it to disk is the caller's job (see ``results.py``). With a checkpoint
-folder, the run saves its state after every epoch and on Ctrl-C, and resumes
-from it.
+GradScaler) and ``accum_steps``. ``Trainer.run_epoch`` is the loop;
+``runner.train`` drives it epoch by epoch with checkpoints and Ctrl-C handling.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import itertools
 import math
-import signal
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ampbench import checkpoint, flops, measure, models, numerics
-from ampbench.config import RunPlan, to_dict
+from ampbench import flops, measure, models, numerics
+from ampbench.config import RunPlan
 from ampbench.data import DeviceBatches
 from ampbench.env import set_tf32
-from ampbench.errors import AmpbenchError, NonFiniteTraining
+from ampbench.errors import NonFiniteTraining
 from ampbench.precision import PrecisionPolicy, micro_batch_size
-
-
-class TrainingInterrupted(AmpbenchError):
-    """Ctrl-C: the run stopped at a step boundary with a checkpoint saved."""
-
-    exit_code = 130
 
 
 @dataclass
@@ -366,97 +352,3 @@ class Trainer:
                                       f"{plan.train.warmup_steps}")
         return RunResult(metrics=metrics, history=self.history, scale_history=self.scale_history,
                          step_times_ms=e2e_ms)
-
-
-@contextmanager
-def stop_on_sigint(trainer: Trainer):
-    """First Ctrl-C: finish the current step, then stop; a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        if trainer.stop_requested:
-            raise KeyboardInterrupt
-        trainer.stop_requested = True
-        tqdm.write("Ctrl-C: stopping after this step and saving a checkpoint (press again to abort)")
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: Path | None = None) -> RunResult:
-    """Train one variant for ``plan.train.epochs`` epochs and measure it, resuming from a checkpoint if any."""
-    trainer = Trainer(plan, data, progress=progress)
-    fp = checkpoint.fingerprint(to_dict(plan), data["meta"])
-    state = checkpoint.load(checkpoint_dir, fp)
-    if state is not None:
-        trainer.load_state_dict(state)
-        print(f"[{plan.variant}] resuming from the checkpoint at epoch {trainer.epoch + 1}, "
-              f"step {trainer.step_in_epoch} of {trainer.steps_per_epoch}", flush=True)
-    try:
-        with stop_on_sigint(trainer), torch.autograd.set_detect_anomaly(plan.debug.detect_anomaly):
-            while trainer.epoch < plan.train.epochs:
-                trainer.run_epoch()
-                if checkpoint_dir is not None:
-                    checkpoint.save(checkpoint_dir, {**trainer.state_dict(), "fingerprint": fp})
-                if trainer.stop_requested:
-                    where = f"epoch {trainer.epoch + 1}, step {trainer.step_in_epoch}"
-                    saved = f"checkpoint saved in {checkpoint_dir}; run `dvc repro` to resume" if checkpoint_dir \
-                        else "no checkpoint folder was given, so the run cannot resume"
-                    raise TrainingInterrupted(f"[{plan.variant}] interrupted at {where}: {saved}")
-    except NonFiniteTraining as err:
-        err.result = trainer.result()  # completed epochs, for the stage to keep on disk
-        err.result.metrics.update(status="stopped: non-finite loss", diagnosis=trainer.diagnosis)
-        raise
-    except RuntimeError as err:
-        if not plan.debug.detect_anomaly or "nan" not in str(err).lower():
-            raise
-        stopped = NonFiniteTraining(f"[{plan.variant}] torch.autograd.detect_anomaly: {str(err).splitlines()[0]}")
-        stopped.result = trainer.result()
-        stopped.result.metrics.update(status="stopped: detect_anomaly", diagnosis={"anomaly": str(err)[:2000]})
-        raise stopped from None
-    result = trainer.result()
-    if plan.amp and plan.amp.audit_batches:
-        audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
-        result.numerics = numerics.audit(trainer.model, audit, trainer.last_scale, trainer.device.type)
-    return result
-
-
-REPEATED = ("imgs_per_s", "compute_imgs_per_s", "final_acc", "best_acc", "final_loss", "achieved_tflops",
-            "epoch_time_s")
-
-
-def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True,
-                  checkpoint_dir: Path | None = None) -> RunResult:
-    """Train ``plan.train.repeats`` times with seeds seed, seed+1, ...; mean and spread across them.
-
-    The first repeat's history is the run's history; step times are pooled.
-    Each repeat checkpoints in its own subfolder, so a resumed stage skips the
-    repeats already done.
-    """
-    runs = []
-    for i in range(plan.train.repeats):
-        if progress and plan.train.repeats > 1:
-            tqdm.write(f"[{plan.variant}] repeat {i + 1}/{plan.train.repeats} (seed {plan.seed + i})")
-        ckpt = Path(checkpoint_dir) / f"repeat{i + 1}" if checkpoint_dir is not None else None
-        runs.append(train(dataclasses.replace(plan, seed=plan.seed + i), data, progress=progress,
-                          checkpoint_dir=ckpt))
-    out = dataclasses.replace(runs[0], metrics=dict(runs[0].metrics),
-                              step_times_ms=[t for r in runs for t in r.step_times_ms])
-    m = out.metrics
-    for key in REPEATED:
-        values = [r.metrics[key] for r in runs if r.metrics.get(key) is not None]
-        mean, std = measure.mean_std(values) if values else (None, None)
-        m[key], m[f"{key}_std"], m[f"{key}_runs"] = mean, (std if len(values) > 1 else None), values
-    m["repeats"] = len(runs)
-    m["seeds"] = [plan.seed + i for i in range(len(runs))]
-    m["skipped_steps"] = sum(r.metrics["skipped_steps"] for r in runs)
-    m["step_time_ms"] = measure.summarize_ms(out.step_times_ms)
-    for key in ("peak_mem_bytes", "peak_reserved_bytes"):
-        values = [r.metrics[key] for r in runs if r.metrics.get(key) is not None]
-        m[key] = max(values) if values else None
-    return out
