@@ -133,9 +133,13 @@ def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, e
         figures.audit(one, fig_dir / "numerics_audit.png")
         files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.NUMERICS,
                                              results.SYSTEM)]
+        tags = _tags("train", m["variant"], m, env_info, pipeline)
+        tags["ampbench.status"] = m.get("status", "complete")
+        if m.get("diagnosis"):  # a run stopped by inf/NaN: the first bad layer and gradient, searchable
+            tags["ampbench.diagnosis"] = json.dumps(m["diagnosis"])[:5000]
         return log_run(cfg, repo_root, run_name=f"train@{m['variant']}", key=file_key(run_dir / results.METRICS),
-                       params=plan, metrics=m, history=run["history"], series=_series(run),
-                       tags=_tags("train", m["variant"], m, env_info, pipeline), artifacts=[*files, fig_dir])
+                       params=plan, metrics=m, history=run["history"], series=_series(run), tags=tags,
+                       artifacts=[*files, fig_dir])
 
 
 def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json: Path, fig_dir: Path,
