@@ -89,12 +89,13 @@ def results_table(summary: dict) -> list[str]:
 
 def memory_table(summary: dict) -> list[str]:
     lines = ["| variant | meter | peak | peak reserved | activations (one micro-batch) | parameters | gradients "
-             "| optimizer state |", "|---|---|---|---|---|---|---|---|"]
+             "| optimizer state | data set on the device |", "|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["variants"].items():
         reserved = "n/a on CPU" if r.get("mem_meter") == "process_peak_rss" else _bytes(r.get("peak_reserved_bytes"))
         lines.append(f"| {name} | {r.get('mem_meter') or 'missing'} | {_bytes(r['peak_mem_bytes'])} | {reserved} "
                      f"| {_bytes(r['activation_bytes'])} | {_bytes(r.get('param_bytes'))} "
-                     f"| {_bytes(r.get('grad_bytes'))} | {_bytes(r.get('optimizer_state_bytes'))} |")
+                     f"| {_bytes(r.get('grad_bytes'))} | {_bytes(r.get('optimizer_state_bytes'))} "
+                     f"| {_bytes(r.get('dataset_bytes'))} |")
     return lines
 
 
@@ -265,7 +266,8 @@ def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], 
               "(reserved: what the caching allocator held), or on a CPU the process's peak RSS, which counts "
               "the interpreter and the data set too. Activations: bytes saved for backward, counted with "
               "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
-              "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant.", ""]
+              "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant. The data "
+              "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", ""]
     lines += ["## Numerical safety", ""] + safety_lines(summary, runs)
     if figures:
         lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in figures] + [""]

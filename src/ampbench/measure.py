@@ -7,6 +7,7 @@ times are read); on the CPU, where kernels run synchronously, a monotonic clock.
 
 from __future__ import annotations
 
+import gc
 import math
 import resource
 import sys
@@ -70,7 +71,10 @@ def wall_clock(device: torch.device | str):
 # --- memory -------------------------------------------------------------------------------
 
 def reset_peak_memory(device: torch.device | str) -> None:
+    """Start the peak counters afresh; on CUDA first return cached blocks left by earlier probes."""
     if torch.device(device).type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()  # else "peak reserved" would count what the probes left in the cache
         torch.cuda.reset_peak_memory_stats()
 
 

@@ -75,7 +75,7 @@ def summarize(runs: dict[str, dict]) -> dict:
             "imgs_per_s_p10_p90": _ips_spread(m),
             "peak_reserved_bytes": m.get("peak_reserved_bytes"), "mem_meter": m.get("mem_meter"),
             "param_bytes": m.get("param_bytes"), "grad_bytes": m.get("grad_bytes"),
-            "optimizer_state_bytes": m.get("optimizer_state_bytes"),
+            "optimizer_state_bytes": m.get("optimizer_state_bytes"), "dataset_bytes": m.get("dataset_bytes"),
             "achieved_tflops": m.get("achieved_tflops"), "fraction_of_peak": m.get("fraction_of_peak"),
             "peak_tflops_datasheet": m.get("peak_tflops_datasheet"), "peak_precision": m.get("peak_precision"),
         }

@@ -66,7 +66,7 @@ def create(dest: Path, params: dict, source: Path = REPO_ROOT) -> Path:
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     if not (dest / ".git").exists():
         _run(["git", "init", "-q"], dest)
-        (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/data/raw/\n")
+        (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/data/raw/\n/checkpoints/\n")
     if not (dest / ".dvc").exists():
         _run([sys.executable, "-m", "dvc", "init", "-q"], dest)
         _run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], dest)
