@@ -165,6 +165,7 @@ class Trainer:
         self.loss_sum, self.seen = torch.zeros((), device=device), 0  # this epoch's, summed on the device
         self.step_ms: list[float] = []
         self.data_ms: list[float] = []
+        self.cycle_ms: list[float] = []  # end to end: data, compute and the host's work between steps
         self.timed_images = 0
         # Not checkpointed: warm-up is counted per process, since a resumed process starts cold.
         self.process_steps = 0
@@ -222,7 +223,9 @@ class Trainer:
     def run_epoch(self) -> dict | None:
         """Train to the end of the current epoch (or a requested stop) and evaluate; the history row."""
         plan, epoch = self.plan, self.epoch
-        step_timer, data_timer = measure.StepTimer(self.device), measure.StepTimer(self.device)
+        # Three clocks: the data, the compute, and the whole cycle from one step's data to the next's, which
+        # also holds the host's bookkeeping between steps (what a wall clock around the loop would see).
+        step_timer, data_timer, cycle_timer = (measure.StepTimer(self.device) for _ in range(3))
         batches = self.train_batches.epoch(epoch)
         for _ in range(self.step_in_epoch):  # resuming mid-epoch: replay the same order and augmentation
             next(batches)
@@ -231,6 +234,9 @@ class Trainer:
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
         with measure.wall_clock(self.device) as clock:
             while self.step_in_epoch < self.steps_per_epoch and not self.stop_requested:
+                if timed:
+                    cycle_timer.stop()
+                cycle_timer.start()
                 data_timer.start()
                 x, y = next(batches)
                 data_timer.stop()
@@ -248,8 +254,11 @@ class Trainer:
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.sched.get_last_lr()[0]:.3g}")
                     if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
                         self.fail("the training loss became inf/NaN")
+            if timed:
+                cycle_timer.stop()
         bar.close()
-        ep_images, ep_ms = self._collect_times(step_timer.read_ms(), data_timer.read_ms(), timed, sizes)
+        ep_images, ep_ms = self._collect_times(step_timer.read_ms(), data_timer.read_ms(), cycle_timer.read_ms(),
+                                               timed, sizes)
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
         ev = evaluate(self.model, self.test_batches, self.policy)
@@ -269,19 +278,20 @@ class Trainer:
                        f"eval acc {ev['acc']:.4f}, {ips}, {clock['s']:.1f}s, ETA {eta:.0f}s")
         return row
 
-    def _collect_times(self, step_ms, data_ms, timed, sizes) -> tuple[int, float]:
-        """Keep the timed (post-warm-up) steps' times; return this call's images and milliseconds."""
+    def _collect_times(self, step_ms, data_ms, cycle_ms, timed, sizes) -> tuple[int, float]:
+        """Keep the timed (post-warm-up) steps' times; return this call's images and end-to-end milliseconds."""
         keep = [i for i, t in enumerate(timed) if t]
         self.step_ms += [step_ms[i] for i in keep]
         self.data_ms += [data_ms[i] for i in keep]
+        self.cycle_ms += [cycle_ms[i] for i in keep]
         images = sum(sizes[i] for i in keep)
         self.timed_images += images
-        return images, sum(step_ms[i] + data_ms[i] for i in keep)
+        return images, sum(cycle_ms[i] for i in keep)
 
     # --- checkpoints ---------------------------------------------------------------------------
 
     _SCALARS = ("epoch", "step_in_epoch", "global_step", "skipped", "last_scale", "scale_history", "history",
-                "best_acc", "seen", "step_ms", "data_ms", "timed_images", "nonfinite_steps",
+                "best_acc", "seen", "step_ms", "data_ms", "cycle_ms", "timed_images", "nonfinite_steps",
                 "consecutive_nonfinite")
 
     def state_dict(self) -> dict:
@@ -309,7 +319,7 @@ class Trainer:
 
     def result(self) -> RunResult:
         plan, device = self.plan, self.device
-        e2e_ms = [a + b for a, b in zip(self.step_ms, self.data_ms, strict=True)]
+        e2e_ms = self.cycle_ms
         total_e2e, total_compute = sum(e2e_ms), sum(self.step_ms)
         params = list(self.model.parameters())
         last = self.history[-1] if self.history else {"eval_acc": None, "train_loss": None, "eval_loss": None}
@@ -322,9 +332,9 @@ class Trainer:
             "variant": plan.variant, "precision": plan.precision, "accum_steps": plan.accum_steps,
             "micro_batch_size": self.micro, "epochs": plan.train.epochs, "batch_size": plan.train.batch_size,
             "arch": plan.model.arch, "device": plan.device, "device_name": device_name,
-            "imgs_per_s": ips,  # data + compute, after warm-up, device synchronised
+            "imgs_per_s": ips,  # end to end (data, compute, host work between steps), after warm-up
             "compute_imgs_per_s": self.timed_images / (total_compute / 1000) if total_compute else None,
-            "step_time_ms": measure.summarize_ms(e2e_ms),          # data + compute: what the report compares
+            "step_time_ms": measure.summarize_ms(e2e_ms),          # end to end: what the report compares
             "compute_time_ms": measure.summarize_ms(self.step_ms),  # forward, backward, optimizer step
             "data_time_ms": measure.summarize_ms(self.data_ms),
             "data_time_fraction": sum(self.data_ms) / total_e2e if total_e2e else None,
