@@ -249,8 +249,9 @@ def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], 
     lines = ["# ampbench report: what FP16 mixed precision bought here", "", verdict(summary, env), ""]
     lines += ["## Results (measured in this run)", ""] + results_table(summary) + [""]
     lines += [
-        "How to read it: img/s is training throughput after the warm-up steps, data loading included, evaluation "
-        "excluded, device synchronised; in brackets the throughput at the p90 and p10 step times. TFLOP/s is "
+        "How to read it: img/s is training throughput after the warm-up steps, timed end to end (from one step's "
+        "data to the next's: data, compute and the host's work between steps; evaluation excluded; CUDA events "
+        "on a GPU); in brackets the throughput at the p90 and p10 step times. TFLOP/s is "
         "model FLOPs (forward + backward, torch.utils.flop_counter) times img/s; on a known GPU, against the "
         "datasheet's dense peak for that precision (a datasheet figure, not measured). Peak memory is "
         + ("CUDA peak allocated" if env.get("gpu") else "the process's peak RSS (on a CPU it mostly counts the "
