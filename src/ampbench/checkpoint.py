@@ -47,7 +47,7 @@ def load(folder: Path | None, expected_fingerprint: str) -> dict | None:
     if not path.is_file():
         return None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file
         print(f"checkpoint {path} is unreadable ({type(err).__name__}); discarding it and starting over")
         path.unlink()

@@ -62,6 +62,7 @@ def probe() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "cuda_runtime": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "tf32_defaults": tf32_flags(),  # before ampbench sets them: what a plain "fp32" run here would use
         "gpu": None,
     }
     if info["cuda_available"]:

@@ -231,7 +231,9 @@ def _env_lines(env: dict, runs: dict[str, dict], changed: dict) -> list[str]:
     lines = [f"- Hardware: {hw}",
              f"- Software: torch {env.get('torch')}, CUDA runtime {env.get('cuda_runtime')}, "
              f"cuDNN {env.get('cudnn')}, Python {env.get('python')}",
-             f"- FP32 baseline: {'strict IEEE fp32 (TF32 off)' if strict else 'TF32 allowed (allow_tf32: true)'}",
+             f"- FP32 baseline: {'strict IEEE fp32 (TF32 off)' if strict else 'TF32 allowed (allow_tf32: true)'}"
+             + (f"; torch's defaults here: matmul {d['matmul_fp32_precision']}, cuDNN convolutions "
+                f"{d['cudnn_conv_fp32_precision']}" if (d := env.get("tf32_defaults")) else ""),
              f"- Model {first.get('arch')}, batch {first.get('batch_size')}, {first.get('epochs')} epochs, "
              f"data {first.get('data_source')} ({first.get('train_images')} train / {first.get('test_images')} "
              f"test images), device {first.get('device')}",
