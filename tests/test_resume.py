@@ -50,7 +50,7 @@ def _history(root: Path, out: str) -> list[dict]:
 def reference(setup):
     proc = subprocess.run(_cmd(setup, _plan(setup, "ref"), "ref"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert list((setup / "ckpt-ref").iterdir()) == []  # cleared once the results are on disk
+    assert [p.name for p in (setup / "ckpt-ref").iterdir()] == ["COMPLETE"]  # cleared once results are on disk
     return _history(setup, "ref")
 
 
@@ -101,3 +101,33 @@ def test_checkpoint_from_other_params_is_discarded(setup):
     assert changed.returncode == 0, changed.stderr[-2000:]
     assert "made with different params or data; discarding it" in changed.stdout
     assert "resuming" not in changed.stdout
+
+
+def test_killed_dvc_repro_resumes_from_the_persisted_checkpoint(tmp_path):
+    """SIGKILL to the whole `dvc repro` (DVC and the stage); the next `dvc repro` resumes the train stage."""
+    import os
+
+    import yaml
+
+    from ampbench import sandbox
+    params = sandbox.merge(yaml.safe_load((REPO_ROOT / "params.yaml").read_text()), {
+        "device": "cpu", "data": {"source": "synthetic", "train_size": 4096, "test_size": 128},
+        "model": {"arch": "small_cnn"}, "train": {"epochs": 4, "batch_size": 64, "warmup_steps": 2},
+        "mlflow": {"enabled": False}})
+    params["variants"] = {"fp32": {"precision": "fp32", "accum_steps": 1}}
+    repo = sandbox.create(tmp_path / "repo", params)
+    cmd = [sys.executable, "-m", "dvc", "repro"]
+    proc = subprocess.Popen(cmd, cwd=repo, env=sandbox.env_with_venv(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt = repo / "checkpoints" / "fp32" / "repeat1" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    again = subprocess.run(cmd, cwd=repo, env=sandbox.env_with_venv(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
+    assert json.loads((repo / "reports" / "runs" / "fp32" / "metrics.json").read_text())["optimizer_steps"] == 256
+    assert [p.name for p in (repo / "checkpoints" / "fp32").iterdir()] == ["COMPLETE"]

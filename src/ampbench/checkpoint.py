@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -60,10 +61,9 @@ def load(folder: Path | None, expected_fingerprint: str) -> dict | None:
 
 
 def clear(folder: Path) -> None:
-    """Delete every checkpoint under ``folder`` (the run is complete), keeping the folder for DVC."""
+    """Delete every checkpoint under ``folder`` (the run is complete), leaving a note for DVC's output."""
     folder = Path(folder)
-    for path in sorted(folder.rglob(CHECKPOINT), reverse=True) if folder.is_dir() else []:
-        path.unlink()
-    for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True) if folder.is_dir() else []:
-        sub.rmdir()
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.is_dir():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    (folder / "COMPLETE").write_text("The run finished and its results are on disk: nothing to resume.\n")

@@ -29,7 +29,6 @@ class TrainingInterrupted(AmpbenchError):
     exit_code = 130
 
 
-
 @contextmanager
 def stop_on_sigint(trainer: Trainer):
     """First Ctrl-C: finish the current step, then stop; a second one interrupts at once."""
