@@ -88,7 +88,7 @@ def test_mlflow_has_a_run_per_stage(pipeline):
     amp = by_name["train@amp"]
     assert amp.data.tags["precision"] == "fp16" and amp.data.tags["variant"] == "amp"
     assert amp.data.params["amp.init_scale"] == "8192.0" and "final_acc" in amp.data.metrics
-    assert len(client.get_metric_history(amp.info.run_id, "epoch/eval_acc")) == 1
+    assert len(client.get_metric_history(amp.info.run_id, "eval/acc")) == 1
     assert {a.path for a in client.list_artifacts(amp.info.run_id)} >= {"metrics.json", "history.csv"}
     assert "report.md" in {a.path for a in client.list_artifacts(by_name["report"].info.run_id)}
 
@@ -131,7 +131,8 @@ def test_mlflow_server_serves_the_runs(pipeline):
         tags = {name: {t["key"]: t["value"] for t in r["data"]["tags"]} for name, r in by_name.items()}
         assert len({t["ampbench.pipeline"] for t in tags.values()}) == 1  # one pipeline, one shared tag
         metrics = {m["key"] for m in by_name["train@amp"]["data"]["metrics"]}
-        assert {"final_acc", "imgs_per_s", "loss_scale", "system/process_rss_bytes"} <= metrics
+        assert {"final_acc", "imgs_per_s", "eval/acc", "train/loss", "train/loss_scale_by_step",
+                "system/process_rss_bytes"} <= metrics
         for name, wanted in (("train@amp", {"metrics.json", "history.csv", "figures"}),
                              ("report", {"report.md", "summary.json", "figures"})):
             rid = by_name[name]["info"]["run_id"]

@@ -49,6 +49,13 @@ def _metric_value(value) -> float | None:
         return None
 
 
+def _epoch_key(column: str) -> str:
+    """history.csv column -> MLflow key: eval_acc -> eval/acc, train_loss -> train/loss, lr -> train/lr."""
+    if column.startswith("eval_"):
+        return "eval/" + column[len("eval_"):]
+    return "train/" + column.removeprefix("train_")
+
+
 def file_key(*paths: Path) -> str:
     h = hashlib.sha256()
     for path in paths:
@@ -82,7 +89,7 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
             for name, value in row.items():
                 v = _metric_value(value)
                 if name != "epoch" and v is not None:
-                    ms.append(Metric(f"epoch/{name}", v, 0, int(row["epoch"])))  # step = epoch
+                    ms.append(Metric(_epoch_key(name), v, 0, int(row["epoch"])))  # step = epoch
         ms += list(series)
         for i in range(0, len(flat_params), 100):  # log_batch takes at most 100 params a call
             client.log_batch(rid, params=flat_params[i:i + 100])
@@ -110,7 +117,7 @@ def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str
 
 def _series(run: dict) -> list[Metric]:
     """The loss scale per optimizer step, and the system samples per sampling step."""
-    out = [Metric("loss_scale", float(r["scale"]), 0, int(r["step"])) for r in run["scale"]]
+    out = [Metric("train/loss_scale_by_step", float(r["scale"]), 0, int(r["step"])) for r in run["scale"]]
     for i, row in enumerate(run.get("system") or []):
         for key, value in row.items():
             v = _metric_value(value)
