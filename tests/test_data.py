@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import http.server
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -188,7 +187,3 @@ def test_device_batches_cover_the_set_and_replay_per_epoch():
     again = list(b.epoch(0))
     assert all(torch.equal(a[0], c[0]) for a, c in zip(batches, again, strict=True))
     assert not torch.equal(next(b.epoch(1))[0], batches[0][0])
-
-
-def test_data_config_rejects_nothing_it_should_accept():
-    assert replace(DataConfig(), train_size=5).train_size == 5
