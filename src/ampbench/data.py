@@ -52,7 +52,10 @@ def fetch_cifar10(cfg: DataConfig, raw_dir: Path) -> Path:
     path = raw_dir / ARCHIVE_NAME
     last_error: Exception | None = None
     for attempt in (1, 2):
-        if path.exists() and not check_integrity(str(path), cfg.md5):
+        if path.exists():
+            if check_integrity(str(path), cfg.md5):
+                print(f"using the verified archive already in {path}", flush=True)
+                return path
             path.unlink()  # a cut-short or corrupted earlier download
         try:
             print(f"downloading {cfg.url} (attempt {attempt} of 2)", flush=True)
