@@ -5,7 +5,8 @@
 Runs ampbench's engine (no DVC, no MLflow) on synthetic CIFAR-shaped data, ResNet-18 with the CIFAR stem,
 batch 256; each variant trains --steps optimizer steps (the first --warmup untimed), --repeats times. Then a
 short accuracy run (fp32 and fp16, --acc-epochs epochs on the learnable synthetic set) shows both learn alike.
-Prints one table and writes it as JSON. Sized to finish in a few minutes on a current GPU.
+Prints one table and writes it as JSON and as a markdown page beside it (--out with .md), with the command,
+versions and date. Sized to finish in a few minutes on a current GPU.
 """
 
 from __future__ import annotations
@@ -95,29 +96,44 @@ def main() -> None:
                       "achieved_tflops": m["achieved_tflops"], "fraction_of_peak": m["fraction_of_peak"],
                       "peak_tflops_datasheet": m["peak_tflops_datasheet"], "accuracy": accuracy.get(name)})
 
-    print(f"\n{info['gpu']['name'] if info['gpu'] else 'CPU'}, torch {torch.__version__}, CUDA {info['cuda_runtime']}, "
-          f"driver {(info['gpu'] or {}).get('driver')}, {args.arch}, batch {args.batch}, {args.steps} steps "
-          f"({args.warmup} warm-up) x {args.repeats} repeats")
-    print("| variant | img/s (± sd) | vs strict fp32 (95% CI) | vs tf32 | peak alloc GiB | peak reserved GiB "
-          "| activations GiB | TFLOP/s | of peak | accuracy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    header = (f"{info['gpu']['name'] if info['gpu'] else 'CPU'}, torch {torch.__version__}, CUDA "
+              f"{info['cuda_runtime']}, driver {(info['gpu'] or {}).get('driver')}, {args.arch}, batch {args.batch}, "
+              f"{args.steps} steps ({args.warmup} warm-up) x {args.repeats} repeats")
+    lines = markdown_table(table)
+    print("\n" + header + "\n" + "\n".join(lines))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"env": info, "args": vars(args), "rows": table}, indent=2, default=str) + "\n")
+    md = out.with_suffix(".md")
+    md.write_text("\n".join([
+        f"# GPU check: {header.split(',')[0]}", "",
+        f"Measured on {time.strftime('%Y-%m-%d')} with `python {' '.join(sys.argv)}`.", "", header + ".", "",
+        *lines, "",
+        "img/s: end to end after the warm-up steps, mean and sd over repeats; ratios: mean img/s over the "
+        "reference's, 95% t-interval over repeats; peaks: CUDA max allocated / reserved; activations: bytes "
+        "saved for backward in one micro-batch; TFLOP/s: torch.utils.flop_counter FLOPs x img/s, against the "
+        "datasheet's dense peak (quoted, not measured); accuracy: a short run on the learnable synthetic set.",
+        ""]))
+    print(f"\nwrote {out} and {md} in {time.perf_counter() - t0:.0f}s")
 
-    def ratio(v):
-        if not v:
-            return "n/a"
-        return f"{v[0]:.2f}x" + (f" ({v[1]:.2f} to {v[2]:.2f})" if v[1] else "")
 
+def _ratio(v) -> str:
+    if not v:
+        return "n/a"
+    return f"{v[0]:.2f}x" + (f" ({v[1]:.2f} to {v[2]:.2f})" if v[1] else "")
+
+
+def markdown_table(table: list[dict]) -> list[str]:
+    lines = ["| variant | img/s (± sd) | vs strict fp32 (95% CI) | vs tf32 | peak alloc GiB | peak reserved GiB "
+             "| activations GiB | TFLOP/s | of peak | accuracy |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         sd = f" ± {r['imgs_per_s_std']:,.0f}" if r["imgs_per_s_std"] is not None else ""
         frac = f"{r['fraction_of_peak']:.0%}" if r["fraction_of_peak"] else "n/a"
         acc = f"{r['accuracy']:.2%}" if r["accuracy"] is not None else ""
-        print(f"| {r['variant']} | {r['imgs_per_s']:,.0f}{sd} | {ratio(r.get('vs_fp32'))} | {ratio(r.get('vs_tf32'))} "
-              f"| {_gib(r['peak_alloc_bytes'])} | {_gib(r['peak_reserved_bytes'])} | {_gib(r['activation_bytes'])} "
-              f"| {r['achieved_tflops']:.1f} | {frac} | {acc} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": info, "args": vars(args), "rows": table}, indent=2, default=str) + "\n")
-    print(f"\nwrote {out} in {time.perf_counter() - t0:.0f}s")
+        lines.append(f"| {r['variant']} | {r['imgs_per_s']:,.0f}{sd} | {_ratio(r.get('vs_fp32'))} "
+                     f"| {_ratio(r.get('vs_tf32'))} | {_gib(r['peak_alloc_bytes'])} | {_gib(r['peak_reserved_bytes'])} "
+                     f"| {_gib(r['activation_bytes'])} | {r['achieved_tflops']:.1f} | {frac} | {acc} |")
+    return lines
 
 
 if __name__ == "__main__":

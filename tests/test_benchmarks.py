@@ -20,6 +20,8 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     assert set(rows) == {"fp32_strict", "tf32", "fp16_amp", "bf16_amp", "fp16_amp_accum4"}
     assert rows["fp32_strict"]["vs_fp32"][0] == 1.0 and rows["fp16_amp"]["accuracy"] is not None
     assert "| fp16_amp_accum4 |" in proc.stdout
+    page = out.with_suffix(".md").read_text()
+    assert "| fp16_amp_accum4 |" in page and "gpu_check.py --device cpu" in page
 
 
 def test_overhead_benchmark_runs(tmp_path):
