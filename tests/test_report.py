@@ -58,6 +58,12 @@ def test_missing_values_are_shown_as_missing(runs, tmp_path):
     assert "| missing | n/a |" in (tmp_path / "r.md").read_text()
 
 
+def test_a_variant_without_a_run_is_named_as_missing(runs, tmp_path):
+    s = report.build(runs, ENV, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "amp", "bf16"])
+    assert s["missing"] == ["bf16"] and "bf16" not in s["variants"]
+    assert "No finished run for: bf16 (missing, not estimated)." in (tmp_path / "r.md").read_text()
+
+
 def test_no_fp32_variant_means_no_ratios(runs, tmp_path):
     s = report.build(runs, ENV, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["amp"])
     assert s["baseline"] is None and "speedup" not in s["variants"]["amp"]

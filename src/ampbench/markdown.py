@@ -250,6 +250,8 @@ def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], 
     base = summary["baseline"]
     lines = ["# ampbench report: what FP16 mixed precision bought here", "", verdict(summary, env), ""]
     lines += ["## Results (measured in this run)", ""] + results_table(summary) + [""]
+    if summary.get("missing"):
+        lines += [f"No finished run for: {', '.join(summary['missing'])} (missing, not estimated).", ""]
     lines += [
         "How to read it: img/s is training throughput after the warm-up steps, timed end to end (from one step's "
         "data to the next's: data, compute and the host's work between steps; evaluation excluded; CUDA events "

@@ -102,6 +102,7 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
         from ampbench.errors import DataError
         raise DataError(f"no finished runs under {runs_dir}; run the train stages first (dvc repro)")
     summary = summarize(runs)
+    summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
     figures = all_figures(runs, fig_dir)
     rel = [Path(os.path.relpath(f, report_md.parent)).as_posix() for f in figures]
     atomic_write(report_md, markdown.render(summary, env, runs, rel, changed_params or {}))
