@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 MIB = 2 ** 20
 
@@ -34,7 +35,10 @@ def throughput(runs: dict[str, dict], path: Path) -> Path:
         hi.append(bs / st["p10"] * 1000)
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     spread = [[m - v for m, v in zip(med, lo, strict=True)], [v - m for m, v in zip(med, hi, strict=True)]]
-    ax.bar(names, med, yerr=spread, capsize=4, color="#4c72b0")
+    bars = ax.bar(names, med, yerr=spread, capsize=4, color="#4c72b0")
+    ax.bar_label(bars, labels=[f"{m:,.0f}" for m in med], padding=2, fontsize=8)
+    if med and min(med) > 0 and max(med) / min(med) > 20:
+        ax.set_yscale("log")  # else a 50x gap hides the slower bars
     ax.set_ylabel("images / s")
     ax.set_title("Training throughput (median step; bars: p10 to p90 step time)")
     return _save(fig, path)
@@ -62,13 +66,17 @@ def memory(runs: dict[str, dict], path: Path) -> Path:
 def curves(runs: dict[str, dict], path: Path) -> Path:
     """Evaluation accuracy and training loss per epoch, all variants on one plot each."""
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
-    for name, run in runs.items():
+    styles = ["-", "--", ":", "-."]  # variants that learn alike overlap: dashes keep each one visible
+    for i, (name, run) in enumerate(runs.items()):
         h = run["history"]
         ep = [int(r["epoch"]) for r in h]
-        a1.plot(ep, [float(r["eval_acc"]) * 100 for r in h], marker="o", label=name)
-        a2.plot(ep, [float(r["train_loss"]) for r in h], marker="o", label=name)
+        style = dict(marker="o", linestyle=styles[i % len(styles)], label=name)
+        a1.plot(ep, [float(r["eval_acc"]) * 100 for r in h], **style)
+        a2.plot(ep, [float(r["train_loss"]) for r in h], **style)
     a1.set(xlabel="epoch", ylabel="eval accuracy (%)", title="Accuracy per epoch")
     a2.set(xlabel="epoch", ylabel="train loss (cross-entropy)", title="Loss per epoch")
+    for ax in (a1, a2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     a1.legend()
     return _save(fig, path)
 
