@@ -195,6 +195,13 @@ def safety_lines(summary: dict, runs: dict[str, dict]) -> list[str]:
         lines.append(f"| {name} | {r.get('status', 'complete')} | {_f(r.get('skipped_steps'), 'd')} "
                      f"| {_f(r.get('nonfinite_loss_steps'), 'd')} | {scale} | {acc} |")
     lines.append("")
+    accum = [(n, r) for n, r in summary["variants"].items() if r["accum_steps"] > 1]
+    if accum:
+        lines += ["The accumulation check runs BatchNorm in eval mode. In training, BatchNorm normalises each "
+                  "micro-batch with that micro-batch's own statistics ("
+                  + ", ".join(f"`{n}`: {r['accum_steps']} micro-batches per step" for n, r in accum)
+                  + "), so accumulated steps are not identical to full-batch steps; a difference in loss or "
+                  "accuracy against the unaccumulated variant can come from this, not from fp16.", ""]
     for name, run in runs.items():
         rows = run.get("numerics") or []
         if not rows:
