@@ -127,6 +127,11 @@ def synthetic(n: int, seed: int, split_seed: int) -> tuple[torch.Tensor, torch.T
     return images, labels
 
 
+def synthetic_splits(n_train: int, n_test: int, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Train and test sets of the same classes (templates from ``seed``), with different images."""
+    return {"train": synthetic(n_train, seed, seed + 1), "test": synthetic(n_test, seed, seed + 2)}
+
+
 # --- preparing and loading ---------------------------------------------------------------
 
 def _subset(images: torch.Tensor, labels: torch.Tensor, size: int, seed: int):
@@ -142,7 +147,7 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, raw_dir: Path) -> dict:
     if cfg.source == "synthetic":
         n_train = cfg.train_size or 50_000
         n_test = cfg.test_size or 10_000
-        splits = {"train": synthetic(n_train, seed, seed + 1), "test": synthetic(n_test, seed, seed + 2)}
+        splits = synthetic_splits(n_train, n_test, seed)
         origin = {"source": "synthetic", "seed": seed}
     else:
         archive = fetch_cifar10(cfg, raw_dir)
@@ -182,9 +187,10 @@ def _stats(images: torch.Tensor) -> dict:
 
 def synthetic_in_memory(n_train: int, n_test: int, seed: int, device: str | torch.device) -> dict:
     """The synthetic set built in memory, in ``load_prepared``'s form (for benchmarks: no files)."""
-    train, test = synthetic(n_train, seed, seed + 1), synthetic(n_test, seed, seed + 2)
-    meta = {"source": "synthetic", "seed": seed, "train_count": n_train, "test_count": n_test, **_stats(train[0])}
-    return {"meta": meta, "train": tuple(t.to(device) for t in train), "test": tuple(t.to(device) for t in test)}
+    splits = synthetic_splits(n_train, n_test, seed)
+    meta = {"source": "synthetic", "seed": seed, "train_count": n_train, "test_count": n_test,
+            **_stats(splits["train"][0])}
+    return {"meta": meta, **{k: tuple(t.to(device) for t in v) for k, v in splits.items()}}
 
 
 def load_prepared(folder: Path, device: str | torch.device) -> dict:

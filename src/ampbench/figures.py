@@ -10,6 +10,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from ampbench import measure  # noqa: E402
+
 MIB = 2 ** 20
 
 
@@ -25,14 +27,11 @@ def throughput(runs: dict[str, dict], path: Path) -> Path:
     """Median img/s per variant, with bars from the p90 to the p10 step time."""
     names, med, lo, hi = [], [], [], []
     for name, run in runs.items():
-        m = run["metrics"]
-        st, bs = m.get("step_time_ms") or {}, m.get("batch_size") or 0
-        if not (st.get("median") and st.get("p10") and st.get("p90")):
-            continue
-        names.append(name)
-        med.append(bs / st["median"] * 1000)
-        lo.append(bs / st["p90"] * 1000)
-        hi.append(bs / st["p10"] * 1000)
+        spread = measure.throughput_spread(run["metrics"].get("batch_size"), run["metrics"].get("step_time_ms"))
+        if spread:
+            names.append(name)
+            for values, v in zip((med, lo, hi), spread, strict=True):
+                values.append(v)
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     spread = [[m - v for m, v in zip(med, lo, strict=True)], [v - m for m, v in zip(med, hi, strict=True)]]
     bars = ax.bar(names, med, yerr=spread, capsize=4, color="#4c72b0")

@@ -143,6 +143,14 @@ def summarize_ms(values: list[float]) -> dict:
             "p90": percentile(values, 90), "n": len(values)}
 
 
+def throughput_spread(batch_size: int | None, step_ms: dict | None) -> tuple[float, float, float] | None:
+    """Images per second at the median, p90 and p10 step times (slowest to fastest), or None if unmeasured."""
+    st = step_ms or {}
+    if not (batch_size and st.get("median") and st.get("p10") and st.get("p90")):
+        return None
+    return batch_size / st["median"] * 1000, batch_size / st["p90"] * 1000, batch_size / st["p10"] * 1000
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     if not values:

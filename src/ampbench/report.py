@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from ampbench import markdown, measure
+from ampbench.errors import DataError
 from ampbench.figures import all_figures
 from ampbench.results import atomic_write, csv_text, read_runs, write_json
 
@@ -31,14 +32,6 @@ def _ratio(a, b) -> float | None:
     return a / b
 
 
-def _ips_spread(m: dict) -> list[float] | None:
-    """img/s at the p90 and p10 step times: the spread of throughput across steps."""
-    st, bs = m.get("step_time_ms") or {}, m.get("batch_size")
-    if not (bs and st.get("p10") and st.get("p90")):
-        return None
-    return [bs / st["p90"] * 1000, bs / st["p10"] * 1000]
-
-
 def _speedup_with_ci(base: dict, run: dict) -> dict:
     """Speedup over the baseline and its 95% interval: from repeats when both have 2+, else a bootstrap."""
     bm, m = base["metrics"], run["metrics"]
@@ -54,6 +47,13 @@ def _speedup_with_ci(base: dict, run: dict) -> dict:
             "speedup_ci_method": "bootstrap over step times (median ratio)"}
 
 
+COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_time_s", "peak_mem_bytes",
+          "peak_reserved_bytes", "mem_meter", "activation_bytes", "param_bytes", "grad_bytes",
+          "optimizer_state_bytes", "dataset_bytes", "final_acc", "final_acc_std", "best_acc", "skipped_steps",
+          "nonfinite_loss_steps", "final_loss_scale", "data_time_fraction", "accum_grad_max_rel_diff",
+          "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision")
+
+
 def summarize(runs: dict[str, dict]) -> dict:
     """Per-variant figures and ratios against the fp32 baseline."""
     base = pick_baseline(runs)
@@ -61,24 +61,11 @@ def summarize(runs: dict[str, dict]) -> dict:
     out = {"baseline": base, "variants": {}}
     for name, run in runs.items():
         m = run["metrics"]
-        row = {
-            "precision": m["precision"], "accum_steps": m["accum_steps"],
-            "imgs_per_s": m.get("imgs_per_s"), "epoch_time_s": m.get("epoch_time_s"),
-            "step_time_ms_median": (m.get("step_time_ms") or {}).get("median"),
-            "peak_mem_bytes": m.get("peak_mem_bytes"), "activation_bytes": m.get("activation_bytes"),
-            "final_acc": m.get("final_acc"), "best_acc": m.get("best_acc"),
-            "skipped_steps": m.get("skipped_steps"), "repeats": m.get("repeats", 1),
-            "nonfinite_loss_steps": m.get("nonfinite_loss_steps"), "status": m.get("status", "complete"),
-            "final_loss_scale": m.get("final_loss_scale"), "data_time_fraction": m.get("data_time_fraction"),
-            "accum_grad_max_rel_diff": m.get("accum_grad_max_rel_diff"),
-            "imgs_per_s_std": m.get("imgs_per_s_std"), "final_acc_std": m.get("final_acc_std"),
-            "imgs_per_s_p10_p90": _ips_spread(m),
-            "peak_reserved_bytes": m.get("peak_reserved_bytes"), "mem_meter": m.get("mem_meter"),
-            "param_bytes": m.get("param_bytes"), "grad_bytes": m.get("grad_bytes"),
-            "optimizer_state_bytes": m.get("optimizer_state_bytes"), "dataset_bytes": m.get("dataset_bytes"),
-            "achieved_tflops": m.get("achieved_tflops"), "fraction_of_peak": m.get("fraction_of_peak"),
-            "peak_tflops_datasheet": m.get("peak_tflops_datasheet"), "peak_precision": m.get("peak_precision"),
-        }
+        row = {key: m.get(key) for key in COPIED}
+        row.update(repeats=m.get("repeats", 1), status=m.get("status", "complete"),
+                   step_time_ms_median=(m.get("step_time_ms") or {}).get("median"))
+        spread = measure.throughput_spread(m.get("batch_size"), m.get("step_time_ms"))
+        row["imgs_per_s_p10_p90"] = list(spread[1:]) if spread else None
         if base:
             row.update(_speedup_with_ci(runs[base], run))
             row["mem_ratio"] = _ratio(row["peak_mem_bytes"], bm.get("peak_mem_bytes"))
@@ -99,7 +86,6 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
     found = read_runs(runs_dir)
     runs = {name: found[name] for name in variants if name in found}
     if not runs:
-        from ampbench.errors import DataError
         raise DataError(f"no finished runs under {runs_dir}; run the train stages first (dvc repro)")
     summary = summarize(runs)
     summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
