@@ -33,7 +33,8 @@ def plain_loop(arch: str, channels_last: bool, images: torch.Tensor, labels: tor
                precision: str, device: str, warmup: int, seed: int) -> float:
     """The article's loop (with today's torch.amp names); img/s after ``warmup`` steps."""
     torch.manual_seed(seed)
-    model = models.build(arch, channels_last=channels_last, device=device)
+    model = models.build(ModelConfig(arch=arch, channels_last=channels_last), num_classes=10, image_size=32,
+                         device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
     scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
     loader = DataLoader(TensorDataset(images, labels), batch_size=batch, shuffle=True)

@@ -2,16 +2,18 @@
 
     python stages/env_check.py --params params.yaml --env reports/env.json --plans reports/plans
 
-Writes reports/env.json (deterministic: no timestamps) and one plan file per
-variant, holding exactly the settings that variant's train stage reads.
-Stops in seconds, with the remedy, when the machine cannot run what is asked.
+Writes reports/env.json (deterministic: no timestamps), one plan file per
+variant, holding exactly the settings that variant's train stage reads, and
+data_source.json, what the data stage will make. Builds the model once on the
+CPU and runs two images through it. Stops in seconds, with the remedy, when the
+model, the data or the machine cannot run what is asked.
 """
 
 import argparse
 import json
 from pathlib import Path
 
-from ampbench import config, env
+from ampbench import config, data, env, models
 from ampbench.errors import run_cli
 from ampbench.results import atomic_write
 
@@ -21,12 +23,18 @@ def main() -> None:
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--env", required=True, help="where to write env.json")
     ap.add_argument("--plans", required=True, help="folder for one <variant>.json plan per variant")
+    ap.add_argument("--data-source", required=True, help="where to write what the data stage will make")
     args = ap.parse_args()
 
     cfg = config.load(args.params)  # every check happens before anything is written
     info = env.probe()
     device = env.resolve_device(cfg.device, info, {v.precision for v in cfg.variants.values()})
-    plans = {name: config.make_plan(cfg, name, device) for name in cfg.variants}
+    desc = data.describe(cfg.data)
+    env.check_fits(data.resident_bytes(desc, cfg.train.augment), desc, device, info)
+    model = models.check(cfg.model, num_classes=desc["num_classes"],
+                         image_size=models.input_size(cfg.model, desc["image_size"]))
+    source = models.source_hash(cfg.model)
+    plans = {name: config.make_plan(cfg, name, device, source) for name in cfg.variants}
     for warning in env.warnings_for(info):
         print(f"warning: {warning}")
     if cfg.mlflow.enabled:
@@ -38,8 +46,12 @@ def main() -> None:
     gpu = info["gpu"]
     print(f"env_check: device {device}" + (f" ({gpu['name']}, sm {gpu['capability']})" if gpu else "")
           + f", torch {info['torch']}, variants: {', '.join(plans)}")
+    print(f"env_check: model {model['model']} ({model['param_count']:,} parameters), data {cfg.data.source}: "
+          f"{desc['train_count']:,} train / {desc['test_count']:,} test images, {desc['num_classes']} classes")
 
     atomic_write(Path(args.env), json.dumps(info, indent=2, sort_keys=True) + "\n")
+    atomic_write(Path(args.data_source), json.dumps({"data": config.to_dict(cfg.data), "seed": cfg.seed, **desc},
+                                                    indent=2, sort_keys=True) + "\n")
     plan_dir = Path(args.plans)
     plan_dir.mkdir(parents=True, exist_ok=True)
     for stale in plan_dir.glob("*.json"):

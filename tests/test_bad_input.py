@@ -50,7 +50,7 @@ def test_bad_params_exit_2_with_one_line_and_change_nothing(tmp_path, monkeypatc
     before = _snapshot(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["env_check.py", "--params", "params.yaml", "--env", "reports/env.json",
-                                      "--plans", "reports/plans"])
+                                      "--plans", "reports/plans", "--data-source", "reports/data_source.json"])
     with pytest.raises(SystemExit) as exit_info:
         run_cli(_stage().main)
     assert exit_info.value.code == 2

@@ -67,7 +67,8 @@ def _env_check(tmp_path, params: dict | str):
     (tmp_path / "reports").mkdir(exist_ok=True)
     return subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--params", str(p),
                            "--env", str(tmp_path / "reports" / "env.json"), "--plans",
-                           str(tmp_path / "reports" / "plans")], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "reports" / "plans"), "--data-source",
+                           str(tmp_path / "reports" / "data_source.json")], capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.skipif(env.probe()["cuda_available"], reason="this machine has CUDA")

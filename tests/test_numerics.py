@@ -41,8 +41,8 @@ class Poison(nn.Module):
 def _poisoned_build(after: int):
     real = models.build
 
-    def build(arch, **kw):
-        model = real(arch, **kw)
+    def build(cfg, **kw):
+        model = real(cfg, **kw)
         model[2][0] = Poison(model[2][0], after)  # the second block's convolution: module "2.0"
         return model
 

@@ -43,7 +43,8 @@ def _grads(model, x, y, micro, policy):
 @pytest.mark.parametrize("n", [32, 29])  # 29: a short last micro-batch still gives the full-batch gradient
 def test_accumulated_gradients_equal_the_full_batch(n):
     torch.manual_seed(0)
-    model = models.build("small_cnn", channels_last=False, device="cpu").eval()  # BN in eval: batch-independent
+    model = models.build(config.ModelConfig(arch="small_cnn", channels_last=False), num_classes=10,
+                         image_size=32, device="cpu").eval()  # BN in eval: batch-independent
     x, y = torch.randn(n, 3, 32, 32), torch.randint(0, 10, (n,))
     policy = PrecisionPolicy("fp32", "cpu", None)
     full_loss, full = _grads(model, x, y, n, policy)

@@ -21,9 +21,14 @@ import yaml
 
 from ampbench.errors import ConfigError
 
-CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+# The official archives: (URL, MD5) per downloadable data.source.
+OFFICIAL = {
+    "cifar10": ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a"),
+    "cifar100": ("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85"),
+}
+CIFAR10_URL, CIFAR10_MD5 = OFFICIAL["cifar10"]
 PRECISIONS = ("fp32", "fp16", "bf16")
+ARCH_NAMES = ("resnet18", "small_cnn", "vit_tiny")  # built in; "tv:<name>" is any torchvision classifier
 
 
 def _opt(default: Any, *, choices: tuple | None = None, lo: float | None = None,
@@ -37,17 +42,30 @@ def _opt(default: Any, *, choices: tuple | None = None, lo: float | None = None,
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = _opt("cifar10", choices=("cifar10", "synthetic"))  # real data or a learnable synthetic set
-    url: str = CIFAR10_URL        # where to download cifar-10-python.tar.gz (a mirror or file:// URL)
-    md5: str = CIFAR10_MD5        # checksum of that archive
-    archive: str = ""             # a local cifar-10-python.tar.gz to use instead of downloading
+    source: str = _opt("cifar10", choices=("cifar10", "cifar100", "folder", "synthetic"))  # where the images come from
+    url: str = ""                 # "" = the official archive of data.source; or a mirror / file:// URL
+    md5: str = ""                 # "" = the official archive's checksum; give one with a different archive
+    archive: str = ""             # a local copy of the archive to use instead of downloading
+    path: str = ""                # source folder: an ImageFolder tree (path/<class>/<image>)
+    image_size: int = _opt(32, lo=8)  # source folder: images are resized to image_size x image_size once
     train_size: int = _opt(0, lo=0)  # training images to use (0 = all)
-    test_size: int = _opt(0, lo=0)   # evaluation images to use (0 = all)
+    test_size: int = _opt(0, lo=0)   # evaluation images to use (0 = all; a folder without splits holds out 10%)
+
+
+def source_url(cfg: DataConfig) -> str:
+    """The URL the archive of ``cfg.source`` is fetched from: data.url, else the official one."""
+    return cfg.url or OFFICIAL.get(cfg.source, ("", ""))[0]
+
+
+def source_md5(cfg: DataConfig) -> str:
+    return cfg.md5 or OFFICIAL.get(cfg.source, ("", ""))[1]
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str = _opt("resnet18", choices=("resnet18", "small_cnn"))  # ResNet-18 (CIFAR stem) | small CNN for CPUs
+    arch: str = "resnet18"        # resnet18 (CIFAR stem) | small_cnn | vit_tiny | tv:<torchvision model name>
+    factory: str = ""             # "package.module:function": returns your nn.Module given num_classes; wins over arch
+    input_size: int = _opt(0, lo=0)  # side of the images fed to the model, resized on the device (0 = the data's)
     channels_last: bool = True    # NHWC memory layout, which tensor-core convolutions prefer
 
 
@@ -184,15 +202,30 @@ def _cross_check(cfg: Config) -> None:
             raise ConfigError(
                 f"params.yaml: variants.{name}.accum_steps = {v.accum_steps} does not divide "
                 f"train.batch_size = {cfg.train.batch_size}; choose a divisor of the batch size, e.g. 1, 2 or 4")
-    url = urlparse(cfg.data.url)
-    if url.scheme not in ("http", "https", "file") or not (url.netloc or url.path):
-        raise ConfigError(f"{_where('data.url', cfg.data.url)} is not a download URL; "
-                          "use http://, https:// or file:// (a mirror of cifar-10-python.tar.gz)")
-    if not re.fullmatch(r"[0-9a-f]{32}", cfg.data.md5):
-        raise ConfigError(f"{_where('data.md5', cfg.data.md5)} is not an MD5 checksum (32 hex digits)")
-    if cfg.data.source == "cifar10" and cfg.data.archive and not Path(cfg.data.archive).is_file():
-        raise ConfigError(f"{_where('data.archive', cfg.data.archive)}: no such file; give the path of a "
-                          "cifar-10-python.tar.gz, or set it to \"\" to download from data.url")
+    d = cfg.data
+    url = urlparse(d.url)
+    if d.url and (url.scheme not in ("http", "https", "file") or not (url.netloc or url.path)):
+        raise ConfigError(f"{_where('data.url', d.url)} is not a download URL; use http://, https:// or file:// "
+                          "(a mirror of the archive), or \"\" for the official one")
+    if d.md5 and not re.fullmatch(r"[0-9a-f]{32}", d.md5):
+        raise ConfigError(f"{_where('data.md5', d.md5)} is not an MD5 checksum (32 hex digits); "
+                          "use \"\" for the official archive's")
+    if d.source in OFFICIAL and d.archive and not Path(d.archive).is_file():
+        raise ConfigError(f"{_where('data.archive', d.archive)}: no such file; give the path of a local copy of "
+                          "the archive, or set it to \"\" to download it")
+    if d.source == "folder" and not d.path:
+        raise ConfigError("params.yaml: data.source = 'folder' needs data.path, the image folder "
+                          "(path/<class>/<image>); set data.path")
+    if d.path and not Path(d.path).is_dir():
+        raise ConfigError(f"{_where('data.path', d.path)}: no such folder; give an image folder in ImageFolder "
+                          "layout (path/<class>/<image>)")
+    m = cfg.model
+    if m.factory and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", m.factory):
+        raise ConfigError(f"{_where('model.factory', m.factory)} is not 'package.module:function'; e.g. "
+                          "'models.my_net:build' for a function build(num_classes) in models/my_net.py")
+    if not (m.arch in ARCH_NAMES or (m.arch.startswith("tv:") and len(m.arch) > 3)):
+        raise ConfigError(f"{_where('model.arch', m.arch)} is not allowed; choose one of: "
+                          f"{' | '.join(ARCH_NAMES)} | tv:<torchvision model>, e.g. tv:resnet50")
 
 
 def tracking_uri(cfg: MlflowConfig, repo_root: Path) -> str:
@@ -266,16 +299,18 @@ class RunPlan:
     amp: AmpConfig | None         # None unless precision is fp16 (no GradScaler otherwise)
     mlflow: MlflowConfig
     debug: DebugConfig = field(default_factory=DebugConfig)
+    model_source: str = ""        # hash of model.factory's source: editing it reruns the train stages
 
 
-def make_plan(cfg: Config, variant: str, device: str) -> RunPlan:
+def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") -> RunPlan:
     if variant not in cfg.variants:
         raise ConfigError(f"variant {variant!r} is not in params.yaml variants; "
                           f"defined: {', '.join(cfg.variants)}")
     v = cfg.variants[variant]
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=cfg.train,
-                   amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug)
+                   amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug,
+                   model_source=model_source)
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:
@@ -292,4 +327,5 @@ def read_plan(path: str | Path) -> RunPlan:
         variant=raw["variant"], precision=raw["precision"], accum_steps=raw["accum_steps"],
         device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),
         train=TrainConfig(**raw["train"]), amp=AmpConfig(**raw["amp"]) if raw["amp"] else None,
-        mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})))
+        mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})),
+        model_source=raw.get("model_source", ""))

@@ -90,7 +90,8 @@ def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 def make_batches(plan: RunPlan, data: dict) -> tuple[DeviceBatches, DeviceBatches]:
     meta = data["meta"]
-    common = dict(mean=meta["mean"], std=meta["std"], channels_last=plan.model.channels_last)
+    common = dict(mean=meta["mean"], std=meta["std"], channels_last=plan.model.channels_last,
+                  out_size=models.input_size(plan.model, meta["image_shape"][-1]))
     train = DeviceBatches(*data["train"], plan.train.batch_size, augment=plan.train.augment, shuffle=True,
                           seed=plan.seed, **common)
     test = DeviceBatches(*data["test"], plan.train.eval_batch_size, augment=False, shuffle=False, **common)
@@ -136,7 +137,10 @@ class Trainer:
             torch.backends.cudnn.benchmark = True  # pick the fastest conv kernels for our fixed shapes
         self.tf32 = set_tf32(plan.train.allow_tf32)
         self.policy = PrecisionPolicy(plan.precision, device.type, plan.amp)
-        self.model = models.build(plan.model.arch, channels_last=plan.model.channels_last, device=device)
+        meta = data["meta"]
+        self.input_size = models.input_size(plan.model, meta["image_shape"][-1])
+        self.model = models.build(plan.model, num_classes=meta["num_classes"], image_size=self.input_size,
+                                  device=device)
         self.opt = torch.optim.SGD(self.model.parameters(), lr=plan.train.lr, momentum=plan.train.momentum,
                                    weight_decay=plan.train.weight_decay, nesterov=True)
         self.scaler = self.policy.scaler()
@@ -331,7 +335,8 @@ class Trainer:
         metrics = {
             "variant": plan.variant, "precision": plan.precision, "accum_steps": plan.accum_steps,
             "micro_batch_size": self.micro, "epochs": plan.train.epochs, "batch_size": plan.train.batch_size,
-            "arch": plan.model.arch, "device": plan.device, "device_name": device_name,
+            "arch": plan.model.arch, **models.describe(self.model, plan.model), "input_size": self.input_size,
+            "num_classes": self.data_meta["num_classes"], "device": plan.device, "device_name": device_name,
             "imgs_per_s": ips,  # end to end (data, compute, host work between steps), after warm-up
             "compute_imgs_per_s": self.timed_images / (total_compute / 1000) if total_compute else None,
             "step_time_ms": measure.summarize_ms(e2e_ms),          # end to end: what the report compares

@@ -15,6 +15,7 @@ import subprocess
 import urllib.request
 from pathlib import Path
 
+import psutil
 import torch
 
 from ampbench.errors import EnvironmentMismatch
@@ -119,6 +120,21 @@ def resolve_device(requested: str, info: dict, precisions: set[str]) -> str:
             f"a variant asks for precision bf16 but {info['gpu']['name']} (compute capability "
             f"{info['gpu']['capability']}) has no native bf16; remove that variant or use fp16")
     return device
+
+
+def check_fits(nbytes: int, desc: dict, device: str, info: dict, share: float = 0.9) -> None:
+    """Stop before training when the device-resident data set alone would take most of the device's memory."""
+    if device == "cuda" and info.get("gpu"):
+        total, what = info["gpu"]["total_memory_bytes"], f"{info['gpu']['name']}'s memory"
+    else:
+        total, what = psutil.virtual_memory().total, "this machine's memory"
+    if nbytes > share * total:
+        s = desc["image_size"]
+        raise EnvironmentMismatch(
+            f"the data set would take about {nbytes / 2**30:.1f} GiB on the {device} device "
+            f"({desc['train_count']:,} train + {desc['test_count']:,} test images of 3 x {s} x {s} uint8), "
+            f"more than {share:.0%} of {what} ({total / 2**30:.1f} GiB); lower data.image_size or "
+            "data.train_size")
 
 
 def set_tf32(allow: bool) -> dict:

@@ -1,8 +1,7 @@
-"""Models: ResNet-18 with a CIFAR stem (the article's model), and a small CNN for CPU runs."""
+"""CIFAR-sized convolutional models: ResNet-18 with a CIFAR stem (the article's model), and a small CNN."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torchvision.models import resnet18
 
@@ -35,13 +34,3 @@ def small_cnn(num_classes: int = 10) -> nn.Module:
         block(32, 64), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         nn.Linear(64, num_classes),
     )
-
-
-ARCHS = {"resnet18": resnet18_cifar, "small_cnn": small_cnn}
-
-
-def build(arch: str, *, channels_last: bool, device: str | torch.device, num_classes: int = 10) -> nn.Module:
-    model = ARCHS[arch](num_classes).to(device)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return model

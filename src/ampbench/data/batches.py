@@ -1,0 +1,74 @@
+"""Batches of a device-resident uint8 set, augmented and normalised on the device."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+class DeviceBatches:
+    """Batches of a device-resident uint8 set, cropped, flipped and normalised on the device.
+
+    The set is stored once, zero-padded and NHWC; a batch is one ``index_select``
+    of whole pixels straight from it (the shuffle, the random crop and the flip
+    folded into one index), then one conversion to normalised float32, which
+    comes out channels_last. With ``out_size`` (a model that needs larger
+    inputs than the data has), each batch is then resized on the device. Each epoch's order and augmentation come from a
+    generator seeded with (seed, epoch), so an epoch can be replayed exactly.
+    """
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
+                 augment: bool, shuffle: bool, channels_last: bool, seed: int = 0, pad: int = 4,
+                 out_size: int | None = None):
+        n, c, h, w = images.shape
+        self.pad = pad if augment else 0
+        p = self.pad
+        self.hp, self.wp = h + 2 * p, w + 2 * p
+        self.pixels = F.pad(images.permute(0, 2, 3, 1), (0, 0, p, p, p, p)).contiguous().view(-1, c)
+        self.labels, self.shape = labels, (c, h, w)
+        self.batch_size, self.augment, self.shuffle = batch_size, augment, shuffle
+        self.channels_last, self.seed = channels_last, seed
+        self.out_size = out_size if out_size and out_size != h else None
+        dev = self.device = images.device
+        self.mean = torch.tensor(mean, device=dev).view(1, 3, 1, 1) * 255
+        self.inv_std = 1 / (torch.tensor(std, device=dev).view(1, 3, 1, 1) * 255)
+        self.rows = torch.arange(h, device=dev).view(1, h, 1) * self.wp
+        self.cols = torch.arange(w, device=dev).view(1, 1, w)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.numel() + self.labels.numel() * self.labels.element_size()
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.labels) / self.batch_size)
+
+    def _pixel_index(self, sel: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """Index of every output pixel in ``self.pixels``: image, then a random crop offset and flip."""
+        n, w = len(sel), self.shape[2]
+        base = sel.view(n, 1, 1) * (self.hp * self.wp)
+        if not self.augment:
+            return (base + self.rows + self.cols).view(-1)
+        dy = torch.randint(0, 2 * self.pad + 1, (n, 1, 1), device=self.device, generator=g)
+        dx = torch.randint(0, 2 * self.pad + 1, (n, 1, 1), device=self.device, generator=g)
+        flip = torch.rand(n, 1, 1, device=self.device, generator=g) < 0.5
+        cols = torch.where(flip, w - 1 - self.cols, self.cols)  # a flip reads the columns in reverse
+        return (base + dy * self.wp + self.rows + dx + cols).view(-1)
+
+    def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        n = len(self.labels)
+        g = torch.Generator(device=self.device).manual_seed(self.seed * 1_000_003 + epoch)
+        order = (torch.randperm(n, device=self.device, generator=g) if self.shuffle
+                 else torch.arange(n, device=self.device))
+        c, h, w = self.shape
+        for start in range(0, n, self.batch_size):
+            sel = order[start:start + self.batch_size]
+            x = self.pixels.index_select(0, self._pixel_index(sel, g)).view(len(sel), h, w, c)
+            x = x.permute(0, 3, 1, 2).float().sub_(self.mean).mul_(self.inv_std)  # one new tensor, channels_last
+            if self.out_size:  # bilinear keeps channels_last
+                x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", align_corners=False)
+            if not self.channels_last:
+                x = x.contiguous()
+            yield x, self.labels[sel]

@@ -1,0 +1,104 @@
+"""CIFAR-10 and CIFAR-100: fetch and verify the official archive (torchvision's downloader), read its batches."""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import tempfile
+import urllib.error
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+import torch
+from torchvision.datasets.utils import check_integrity, download_url, extract_archive
+
+from ampbench.config import DataConfig, source_md5, source_url
+from ampbench.errors import DataError
+
+
+@dataclass(frozen=True)
+class CifarFormat:
+    label: str              # for messages
+    archive: str            # the archive's file name
+    folder: str             # the folder inside it
+    train: tuple[str, ...]  # pickled batches of the training split
+    test: tuple[str, ...]
+    labels_key: str         # CIFAR-100 has fine (100) and coarse (20) labels; we train on the fine ones
+    num_classes: int
+
+
+FORMATS = {
+    "cifar10": CifarFormat("CIFAR-10", "cifar-10-python.tar.gz", "cifar-10-batches-py",
+                           tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), "labels", 10),
+    "cifar100": CifarFormat("CIFAR-100", "cifar-100-python.tar.gz", "cifar-100-python", ("train",), ("test",),
+                            "fine_labels", 100),
+}
+IMAGE_SHAPE = (3, 32, 32)
+ARCHIVE_NAME = FORMATS["cifar10"].archive
+
+
+def fetch(cfg: DataConfig, raw_dir: Path) -> Path:
+    """Return the path of a verified archive of ``cfg.source``: the local archive, or a download.
+
+    A download that fails its checksum is deleted and fetched once more.
+    """
+    fmt, url, md5 = FORMATS[cfg.source], source_url(cfg), source_md5(cfg)
+    if cfg.archive:
+        path = Path(cfg.archive)
+        if not check_integrity(str(path), md5):
+            raise DataError(f"data.archive = {cfg.archive!r} fails its MD5 check (expected {md5}); "
+                            f"the file is corrupted or not {fmt.archive}: download it again")
+        return path
+    raw_dir.mkdir(parents=True, exist_ok=True)
+    path = raw_dir / fmt.archive
+    last_error: Exception | None = None
+    for attempt in (1, 2):
+        if path.exists():
+            if check_integrity(str(path), md5):
+                print(f"using the verified archive already in {path}", flush=True)
+                return path
+            path.unlink()  # a cut-short or corrupted earlier download
+        try:
+            print(f"downloading {url} (attempt {attempt} of 2)", flush=True)
+            if url.startswith("file:"):  # torchvision's downloader needs an HTTP response length
+                shutil.copyfile(url2pathname(urlparse(url).path), path)
+                if not check_integrity(str(path), md5):
+                    raise RuntimeError("File not found or corrupted.")
+            else:
+                download_url(url, str(raw_dir), fmt.archive, md5)  # progress bar, MD5 check
+            return path
+        except (urllib.error.URLError, OSError, RuntimeError, ValueError) as err:
+            last_error = err
+            print(f"download failed: {err}", flush=True)
+    if path.exists():
+        path.unlink()
+    raise DataError(f"could not fetch a verified {fmt.label} archive from data.url = {url!r} "
+                    f"({last_error}); check the URL or the network, or set data.archive to a local {fmt.archive}")
+
+
+def _read_batches(fmt: CifarFormat, folder: Path, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    images, labels = [], []
+    key = fmt.labels_key.encode()
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            raise DataError(f"the {fmt.label} archive has no {fmt.folder}/{name}; it is not {fmt.archive}")
+        with open(path, "rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        data = batch[b"data"] if b"data" in batch else batch["data"]
+        labs = batch[key] if key in batch else batch[fmt.labels_key]
+        images.append(torch.as_tensor(data, dtype=torch.uint8).reshape(-1, *IMAGE_SHAPE))
+        labels.append(torch.as_tensor(labs, dtype=torch.int64))
+    return torch.cat(images), torch.cat(labels)
+
+
+def read(source: str, archive: Path, workdir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Extract the archive to a scratch folder and read its train and test batches."""
+    fmt = FORMATS[source]
+    workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        extract_archive(str(archive), tmp)
+        folder = Path(tmp) / fmt.folder
+        return {"train": _read_batches(fmt, folder, fmt.train), "test": _read_batches(fmt, folder, fmt.test)}

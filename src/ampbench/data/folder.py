@@ -1,0 +1,94 @@
+"""An image folder in torchvision's ``ImageFolder`` layout, decoded and resized once to uint8 tensors.
+
+    path/<class>/<image>            every image, split here into train and test
+    path/train/<class>/<image>      or ready-made splits: train/ with test/ (or val/)
+    path/test/<class>/<image>
+
+Classes are the subfolder names in sorted order, as ImageFolder numbers them.
+Every image is converted to RGB and resized to ``data.image_size`` squared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from PIL import Image
+from torchvision.datasets.folder import IMG_EXTENSIONS
+from torchvision.transforms.functional import pil_to_tensor
+from tqdm import tqdm
+
+from ampbench.config import DataConfig
+from ampbench.errors import DataError
+
+LAYOUT = "path/<class>/<image>.png, or path/train/<class>/... with path/test/<class>/..."
+
+
+def _classes(folder: Path) -> list[str]:
+    return sorted(d.name for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def _images(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+
+
+def _split_dirs(root: Path) -> tuple[Path, Path] | None:
+    test = next((root / n for n in ("test", "val") if (root / n).is_dir()), None)
+    return (root / "train", test) if (root / "train").is_dir() and test is not None else None
+
+
+def scan(cfg: DataConfig) -> dict:
+    """The classes and the image files of each split (or of the whole set), without decoding any image."""
+    root = Path(cfg.path)
+    if not root.is_dir():
+        raise DataError(f"data.path = {cfg.path!r} is not a folder; give an image folder ({LAYOUT})")
+    split = _split_dirs(root)
+    top = split[0] if split else root
+    classes = [c for c in _classes(top) if _images(top / c)]
+    where = f"data.path = {cfg.path!r}" + (" (its train/ folder)" if split else "")
+    if not _classes(top):
+        raise DataError(f"{where} holds no class subfolders; put each class's images in a folder of its own: "
+                        f"{LAYOUT}")
+    if not classes:
+        raise DataError(f"{where} holds no images ({', '.join(IMG_EXTENSIONS[:4])}, ...) in its class folders; "
+                        f"the layout is {LAYOUT}")
+    if len(classes) < 2:
+        raise DataError(f"{where} has one class ({classes[0]}); a classifier needs at least two class folders")
+    files = {"train": [(p, i) for i, c in enumerate(classes) for p in _images(top / c)]}
+    if split:
+        extra = sorted(set(_classes(split[1])) - set(classes))
+        if extra:
+            raise DataError(f"data.path = {cfg.path!r}: {split[1].name}/ has classes that train/ lacks "
+                            f"({', '.join(extra[:5])}); give both splits the same class folders")
+        files["test"] = [(p, i) for i, c in enumerate(classes) for p in _images(split[1] / c)]
+    return {"classes": classes, "files": files, "split": split is not None}
+
+
+def held_out_count(total: int, test_size: int) -> int:
+    """Images held out for evaluation from a folder without splits: data.test_size, else a tenth."""
+    return min(total - 1, test_size or max(1, total // 10))
+
+
+def _decode(files: list[tuple[Path, int]], size: int, desc: str) -> tuple[torch.Tensor, torch.Tensor]:
+    images = torch.empty(len(files), 3, size, size, dtype=torch.uint8)
+    for i, (path, _) in enumerate(tqdm(files, desc=desc, unit="img", disable=len(files) < 1000)):
+        try:
+            with Image.open(path) as im:
+                im = im.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
+        except OSError as err:
+            raise DataError(f"{path} could not be read as an image ({err}); remove or replace it") from None
+        images[i] = pil_to_tensor(im)
+    return images, torch.tensor([label for _, label in files], dtype=torch.int64)
+
+
+def read(cfg: DataConfig, seed: int) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
+    """Decode the folder into train and test tensors; a folder without splits holds out a random test set."""
+    found = scan(cfg)
+    files = found["files"]
+    if not found["split"]:
+        every = files["train"]
+        order = torch.randperm(len(every), generator=torch.Generator().manual_seed(seed)).tolist()
+        k = held_out_count(len(every), cfg.test_size)
+        files = {"train": [every[i] for i in sorted(order[k:])], "test": [every[i] for i in sorted(order[:k])]}
+    out = {split: _decode(fs, cfg.image_size, f"decoding {split}") for split, fs in files.items()}
+    return out, found["classes"]

@@ -1,0 +1,157 @@
+"""Models by name: the built-in ones, any torchvision classification model, or the user's own factory.
+
+``model.arch`` in params.yaml picks one of ``ARCHS`` (``resnet18`` with a CIFAR
+stem, ``small_cnn``, ``vit_tiny``) or ``tv:<name>``, built with
+``torchvision.models.get_model(name, weights=None, num_classes=...)``.
+``model.factory: "package.module:function"`` (importable from the repository
+root) builds the user's own ``nn.Module`` instead. ``check`` builds the model
+once on the CPU and pushes two images through it, so a broken factory or an
+input size the model cannot take stops env_check with one line, before any
+training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torchvision
+from torch import nn
+
+from ampbench.config import ModelConfig
+from ampbench.errors import ConfigError
+from ampbench.models.cifar import resnet18_cifar, small_cnn
+from ampbench.models.vit import PATCH, vit_tiny
+
+ARCHS: dict[str, Callable[..., nn.Module]] = {"resnet18": resnet18_cifar, "small_cnn": small_cnn,
+                                              "vit_tiny": vit_tiny}
+TV_PREFIX = "tv:"
+
+__all__ = ["ARCHS", "build", "check", "describe", "name", "resnet18_cifar", "small_cnn", "source_hash",
+           "torchvision_names", "vit_tiny"]
+
+
+def torchvision_names() -> list[str]:
+    """torchvision's classification models (not detection, segmentation or video ones)."""
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def name(cfg: ModelConfig) -> str:
+    """What the report calls the model: the factory when there is one, else ``arch``."""
+    return cfg.factory or cfg.arch
+
+
+def _import_factory(spec: str) -> Callable:
+    module_name, _, attr = spec.partition(":")
+    root = str(Path.cwd())
+    if root not in sys.path:  # the factory lives in the repository, e.g. models/my_net.py
+        sys.path.insert(0, root)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # any error in the user's module: say which, and where
+        raise ConfigError(f"params.yaml: model.factory = {spec!r}: importing {module_name} failed "
+                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); the module must "
+                          f"be importable from the repository root ({root})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise ConfigError(f"params.yaml: model.factory = {spec!r}: {module_name} has no function {attr!r}; "
+                          "name a function that takes num_classes and returns an nn.Module")
+    return fn
+
+
+def _builder(cfg: ModelConfig) -> Callable[[int, int], nn.Module]:
+    """A function (num_classes, image_size) -> nn.Module for this config."""
+    if cfg.factory:
+        fn = _import_factory(cfg.factory)
+        takes_size = "image_size" in inspect.signature(fn).parameters
+
+        def call(num_classes: int, image_size: int) -> nn.Module:
+            try:
+                model = fn(num_classes=num_classes, image_size=image_size) if takes_size \
+                    else fn(num_classes=num_classes)
+            except Exception as err:
+                raise ConfigError(f"params.yaml: model.factory = {cfg.factory!r} raised {type(err).__name__}: "
+                                  f"{str(err).splitlines()[0] if str(err) else ''}; fix the factory, or call it "
+                                  "by hand to see the traceback") from None
+            if not isinstance(model, nn.Module):
+                raise ConfigError(f"params.yaml: model.factory = {cfg.factory!r} returned a "
+                                  f"{type(model).__name__}, not a torch.nn.Module; return the model itself")
+            return model
+        return call
+    if cfg.arch.startswith(TV_PREFIX):
+        tv_name = cfg.arch[len(TV_PREFIX):]
+        known = torchvision_names()
+        if tv_name not in known:
+            some = ", ".join(n for n in ("resnet50", "mobilenet_v3_small", "efficientnet_b0", "convnext_tiny",
+                                         "vit_b_16") if n in known)
+            raise ConfigError(f"params.yaml: model.arch = {cfg.arch!r}: torchvision has no classification model "
+                              f"{tv_name!r}; use one of torchvision.models.list_models(), e.g. {some}")
+        return lambda num_classes, image_size: torchvision.models.get_model(tv_name, weights=None,
+                                                                            num_classes=num_classes)
+    if cfg.arch == "vit_tiny":
+        return lambda num_classes, image_size: vit_tiny(num_classes, image_size)
+    return lambda num_classes, image_size: ARCHS[cfg.arch](num_classes)
+
+
+def input_size(cfg: ModelConfig, data_size: int) -> int:
+    """The side the model is fed: model.input_size, or the data's own (0)."""
+    return cfg.input_size or data_size
+
+
+def build(cfg: ModelConfig, *, num_classes: int, image_size: int, device: str | torch.device) -> nn.Module:
+    """The model for ``cfg``, on ``device``, in channels_last if asked."""
+    model = _builder(cfg)(num_classes, image_size).to(device)
+    if cfg.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
+    """Build the model on the CPU and run two images through it; its name and parameter count, or a ConfigError."""
+    if cfg.arch == "vit_tiny" and not cfg.factory and image_size % PATCH:
+        raise ConfigError(f"params.yaml: model.arch = 'vit_tiny' needs an input size divisible by its patch "
+                          f"({PATCH}), got {image_size}; set model.input_size to a multiple of {PATCH}")
+    model = _builder(cfg)(num_classes, image_size)
+    x = torch.zeros(2, 3, image_size, image_size)
+    try:
+        with torch.no_grad():
+            out = model.train()(x)  # train mode: what the training step sees (aux heads, dropout)
+    except Exception as err:
+        raise ConfigError(f"params.yaml: model {name(cfg)!r} cannot take {image_size}x{image_size} images "
+                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); set "
+                          "model.input_size to a size it takes (e.g. 224 for ImageNet models)") from None
+    if not torch.is_tensor(out) or tuple(out.shape) != (2, num_classes):
+        got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+        raise ConfigError(f"params.yaml: model {name(cfg)!r} returns {got} for a batch of 2, expected logits of "
+                          f"shape (2, {num_classes}); make it return one tensor of class scores")
+    return describe(model, cfg)
+
+
+def describe(model: nn.Module, cfg: ModelConfig) -> dict:
+    return {"model": name(cfg), "param_count": sum(p.numel() for p in model.parameters())}
+
+
+def source_hash(cfg: ModelConfig, root: Path | None = None) -> str:
+    """SHA-256 of the factory's source (its whole package when it lives in one under the repository), or "".
+
+    It goes into each variant's plan, so editing the factory's file reruns the train stages.
+    """
+    if not cfg.factory:
+        return ""
+    module_name = cfg.factory.partition(":")[0]
+    _import_factory(cfg.factory)
+    module = sys.modules[module_name]
+    path = Path(inspect.getfile(module)).resolve()
+    root = (root or Path.cwd()).resolve()
+    top = root / module_name.split(".")[0]
+    files = sorted(top.rglob("*.py")) if top.is_dir() else [path]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.relative_to(root) if f.is_relative_to(root) else f).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
