@@ -52,28 +52,38 @@ def tmp_mlflow(tmp_path, monkeypatch):
     return uri
 
 
-def make_cifar_archive(folder: Path, per_batch: int = 6, test_count: int = 8, seed: int = 0) -> tuple[Path, str, dict]:
-    """A tiny cifar-10-python.tar.gz in CIFAR-10's own format; returns (path, md5, the arrays)."""
+def make_cifar_archive(folder: Path, per_batch: int = 6, test_count: int = 8, seed: int = 0,
+                       kind: str = "cifar10") -> tuple[Path, str, dict]:
+    """A tiny CIFAR archive in the real format (CIFAR-10's or CIFAR-100's); returns (path, md5, the arrays)."""
     rng = np.random.default_rng(seed)
+    if kind == "cifar10":
+        top, names, key, classes = "cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"], \
+            b"labels", 10
+        meta_name, meta = "batches.meta", {b"label_names": [b"c%d" % i for i in range(10)]}
+    else:
+        top, names, key, classes = "cifar-100-python", ["train", "test"], b"fine_labels", 100
+        meta_name, meta = "meta", {b"fine_label_names": [b"f%d" % i for i in range(100)],
+                                   b"coarse_label_names": [b"k%d" % i for i in range(20)]}
     arrays = {}
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
         for name in names:
-            n = test_count if name == "test_batch" else per_batch
+            n = test_count if name.startswith("test") else per_batch
             data = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
-            labels = [int(v) for v in rng.integers(0, 10, size=n)]
+            labels = [int(v) for v in rng.integers(0, classes, size=n)]
             arrays[name] = (data, labels)
-            blob = pickle.dumps({b"batch_label": name.encode(), b"labels": labels, b"data": data,
-                                 b"filenames": [b"x.png"] * n}, protocol=2)
-            info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+            batch = {b"batch_label": name.encode(), key: labels, b"data": data, b"filenames": [b"x.png"] * n}
+            if kind == "cifar100":
+                batch[b"coarse_labels"] = [v // 5 for v in labels]
+            blob = pickle.dumps(batch, protocol=2)
+            info = tarfile.TarInfo(f"{top}/{name}")
             info.size = len(blob)
             tar.addfile(info, io.BytesIO(blob))
-        meta = pickle.dumps({b"label_names": [b"c%d" % i for i in range(10)]}, protocol=2)
-        info = tarfile.TarInfo("cifar-10-batches-py/batches.meta")
-        info.size = len(meta)
-        tar.addfile(info, io.BytesIO(meta))
+        blob = pickle.dumps(meta, protocol=2)
+        info = tarfile.TarInfo(f"{top}/{meta_name}")
+        info.size = len(blob)
+        tar.addfile(info, io.BytesIO(blob))
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "cifar-10-python.tar.gz"
+    path = folder / ("cifar-10-python.tar.gz" if kind == "cifar10" else "cifar-100-python.tar.gz")
     path.write_bytes(buf.getvalue())
     return path, hashlib.md5(buf.getvalue()).hexdigest(), arrays

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import http.server
+import re
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from ampbench import data
+from ampbench import config, data
 from ampbench.config import DataConfig
-from ampbench.errors import DataError
+from ampbench.errors import DataError, EnvironmentMismatch
 from tests.conftest import make_cifar_archive
 
 
@@ -21,10 +25,9 @@ def archive(tmp_path):
     return make_cifar_archive(tmp_path / "served")
 
 
-@pytest.fixture
-def server(archive):
-    """A loopback HTTP server for the archive's folder; counts the requests it serves."""
-    path, _, _ = archive
+@contextlib.contextmanager
+def serve(directory: Path):
+    """A loopback HTTP server for ``directory``; yields (base URL, the paths it served)."""
     hits = []
 
     class Handler(http.server.SimpleHTTPRequestHandler):
@@ -42,11 +45,20 @@ def server(archive):
         def handle_error(self, request, client_address):
             pass  # the redirect probe hangs up mid-transfer
 
-    httpd = Server(("127.0.0.1", 0), functools.partial(Handler, directory=str(path.parent)))
+    httpd = Server(("127.0.0.1", 0), functools.partial(Handler, directory=str(directory)))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}", hits
-    httpd.shutdown()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", hits
+    finally:
+        httpd.shutdown()
+
+
+@pytest.fixture
+def server(archive):
+    """A loopback HTTP server for the archive's folder; counts the requests it serves."""
+    with serve(archive[0].parent) as served:
+        yield served
 
 
 def _check_prepared(out: Path, arrays: dict, meta: dict):
@@ -187,3 +199,90 @@ def test_device_batches_cover_the_set_and_replay_per_epoch():
     again = list(b.epoch(0))
     assert all(torch.equal(a[0], c[0]) for a, c in zip(batches, again, strict=True))
     assert not torch.equal(next(b.epoch(1))[0], batches[0][0])
+
+
+def test_cifar100_downloads_through_the_same_path(tmp_path):
+    path, md5, arrays = make_cifar_archive(tmp_path / "served100", per_batch=20, test_count=10, kind="cifar100")
+    with serve(path.parent) as (base, hits):
+        cfg = DataConfig(source="cifar100", url=f"{base}/{path.name}", md5=md5)
+        meta = data.prepare(cfg, 0, tmp_path / "prepared", tmp_path / "raw")
+    assert hits == [f"/{path.name}"]
+    assert meta["source"] == "cifar100" and meta["num_classes"] == 100
+    assert (meta["train_count"], meta["test_count"]) == (20, 10)
+    train = torch.load(tmp_path / "prepared" / "train.pt", weights_only=True)
+    assert train["labels"].tolist() == arrays["train"][1]  # the fine labels, not the coarse ones
+    assert torch.equal(train["images"], torch.as_tensor(arrays["train"][0]).reshape(-1, 3, 32, 32))
+    loaded = data.load_prepared(tmp_path / "prepared", "cpu")
+    assert loaded["meta"]["num_classes"] == 100
+    assert data.describe(cfg)["num_classes"] == 100
+
+
+def test_cifar100_official_url_and_checksum_are_the_default():
+    cfg = DataConfig(source="cifar100")
+    assert config.source_url(cfg).endswith("/cifar-100-python.tar.gz")
+    assert config.source_md5(cfg) == "eb9058c3a382ffc7106e4002c42a8d85"
+    assert config.source_url(DataConfig()).endswith("/cifar-10-python.tar.gz")
+
+
+def _png_folder(root: Path, classes: dict[str, int], size=(20, 12), seed=0) -> None:
+    rng = np.random.default_rng(seed)
+    for c, n in classes.items():
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(root / c / f"{i}.png")
+
+
+def test_image_folder_is_decoded_resized_and_split(tmp_path):
+    _png_folder(tmp_path / "imgs", {"cat": 6, "dog": 4, "emu": 5})
+    (tmp_path / "imgs" / "cat" / "notes.txt").write_text("not an image")
+    cfg = DataConfig(source="folder", path=str(tmp_path / "imgs"), image_size=16, test_size=3)
+    desc = data.describe(cfg)
+    assert (desc["num_classes"], desc["train_count"], desc["test_count"]) == (3, 12, 3)
+    meta = data.prepare(cfg, 0, tmp_path / "p", tmp_path / "raw")
+    assert meta["classes"] == ["cat", "dog", "emu"] and meta["num_classes"] == 3
+    assert meta["image_shape"] == [3, 16, 16] and (meta["train_count"], meta["test_count"]) == (12, 3)
+    loaded = data.load_prepared(tmp_path / "p", "cpu")
+    labels = torch.cat([loaded["train"][1], loaded["test"][1]])
+    assert sorted(labels.tolist()) == [0] * 6 + [1] * 4 + [2] * 5
+    one = Image.open(tmp_path / "imgs" / "dog" / "0.png").convert("RGB").resize((16, 16), Image.Resampling.BILINEAR)
+    want = torch.as_tensor(np.array(one)).permute(2, 0, 1)
+    assert any(torch.equal(want, x) for x in torch.cat([loaded["train"][0], loaded["test"][0]]))
+    again = data.describe(cfg)["files_sha256"]
+    _png_folder(tmp_path / "imgs", {"dog": 5}, seed=1)  # one more image: the fingerprint changes
+    assert data.describe(cfg)["files_sha256"] != again
+
+
+def test_image_folder_with_its_own_splits(tmp_path):
+    _png_folder(tmp_path / "imgs" / "train", {"a": 3, "b": 3})
+    _png_folder(tmp_path / "imgs" / "val", {"a": 1, "b": 2})
+    meta = data.prepare(DataConfig(source="folder", path=str(tmp_path / "imgs")), 0, tmp_path / "p", tmp_path / "r")
+    assert (meta["train_count"], meta["test_count"], meta["image_shape"]) == (6, 3, [3, 32, 32])
+
+
+@pytest.mark.parametrize(("make", "words"), [
+    (lambda root: root.mkdir(), "no class subfolders"),
+    (lambda root: (root / "a").mkdir(parents=True), "holds no images"),
+    (lambda root: _png_folder(root, {"only": 3}), "has one class (only)"),
+])
+def test_image_folder_errors(tmp_path, make, words):
+    root = tmp_path / "imgs"
+    make(root)
+    with pytest.raises(DataError, match=re.escape(words)):
+        data.describe(DataConfig(source="folder", path=str(root)))
+
+
+def test_a_data_set_too_large_for_the_device_stops_before_training():
+    from ampbench import env
+    desc = {"image_size": 224, "train_count": 1_300_000, "test_count": 50_000}
+    info = {"gpu": {"name": "NVIDIA L4", "total_memory_bytes": 24 * 2**30}}
+    with pytest.raises(EnvironmentMismatch, match=r"about 202\.5 GiB .* lower data.image_size or data.train_size"):
+        env.check_fits(data.resident_bytes(desc), desc, "cuda", info)
+    env.check_fits(data.resident_bytes({**desc, "image_size": 32, "train_count": 50_000}), desc, "cuda", info)
+
+
+def test_device_batches_resize_for_a_larger_model_input():
+    x, y = data.synthetic(8, 0, 1)
+    b = data.DeviceBatches(x, y, 8, [0.5] * 3, [0.25] * 3, augment=True, shuffle=True, channels_last=True,
+                           out_size=64)
+    out, _ = next(b.epoch(0))
+    assert out.shape == (8, 3, 64, 64) and out.is_contiguous(memory_format=torch.channels_last)

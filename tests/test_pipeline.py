@@ -173,3 +173,50 @@ def test_bad_params_stop_dvc_repro_and_change_nothing(pipeline):
     assert "does not divide train.batch_size = 30" in proc.stderr + proc.stdout
     assert "Traceback" not in proc.stderr + proc.stdout
     assert {p: p.read_bytes() for p in (repo / "reports").rglob("*") if p.is_file()} == snapshot
+
+
+FACTORY = """
+from torch import nn
+
+WIDTH = {width}
+
+
+def build(num_classes):
+    return nn.Sequential(nn.Conv2d(3, WIDTH, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(WIDTH, num_classes))
+"""
+
+
+def test_a_custom_factory_reruns_the_train_stages_when_its_file_changes(tmp_path_factory):
+    import copy
+
+    from tests.conftest import SHRINK
+    params = sandbox.merge(copy.deepcopy(yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())), SHRINK)
+    params["model"]["factory"] = "mymodels.net:build"
+    params["variants"] = {"fp32": {"precision": "fp32", "accum_steps": 1},
+                          "amp": {"precision": "fp16", "accum_steps": 1}}
+    params["mlflow"]["enabled"] = False
+    params["amp"]["audit_batches"] = 0
+    repo = tmp_path_factory.mktemp("factory")
+    (repo / "mymodels").mkdir()
+    (repo / "mymodels" / "__init__.py").write_text("")
+    (repo / "mymodels" / "net.py").write_text(FACTORY.format(width=8))
+    sandbox.create(repo, params)
+
+    first = _dvc(repo, "repro")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "Running stage 'train@fp32'" in first.stdout and "Running stage 'train@amp'" in first.stdout
+    m = json.loads((repo / "reports" / "runs" / "fp32" / "metrics.json").read_text())
+    assert m["model"] == "mymodels.net:build" and m["param_count"] == 3 * 8 * 9 + 8 + 8 * 10 + 10
+    assert "mymodels.net:build" in (repo / "reports" / "report.md").read_text()
+
+    again = _dvc(repo, "repro")
+    assert again.returncode == 0 and "Running stage 'train@" not in again.stdout  # nothing changed: nothing reruns
+
+    (repo / "mymodels" / "net.py").write_text(FACTORY.format(width=12))
+    edited = _dvc(repo, "repro")
+    assert edited.returncode == 0, edited.stderr[-2000:]
+    assert "Running stage 'train@fp32'" in edited.stdout and "Running stage 'train@amp'" in edited.stdout
+    assert "Running stage 'data'" not in edited.stdout
+    m = json.loads((repo / "reports" / "runs" / "amp" / "metrics.json").read_text())
+    assert m["param_count"] == 3 * 12 * 9 + 12 + 12 * 10 + 10

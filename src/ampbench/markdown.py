@@ -241,9 +241,8 @@ def _env_lines(env: dict, runs: dict[str, dict], changed: dict) -> list[str]:
              f"- FP32 baseline: {'strict IEEE fp32 (TF32 off)' if strict else 'TF32 allowed (allow_tf32: true)'}"
              + (f"; torch's defaults here: matmul {d['matmul_fp32_precision']}, cuDNN convolutions "
                 f"{d['cudnn_conv_fp32_precision']}" if (d := env.get("tf32_defaults")) else ""),
-             f"- Model {first.get('arch')}, batch {first.get('batch_size')}, {first.get('epochs')} epochs, "
-             f"data {first.get('data_source')} ({first.get('train_images')} train / {first.get('test_images')} "
-             f"test images), device {first.get('device')}",
+             f"- {model_line(first)}, batch {first.get('batch_size')}, {first.get('epochs')} epochs, "
+             f"device {first.get('device')}",
              f"- Code: git commit {first.get('git_commit', 'unknown')}"]
     if changed:
         lines.append("- Params that differ from the defaults: "
@@ -253,9 +252,21 @@ def _env_lines(env: dict, runs: dict[str, dict], changed: dict) -> list[str]:
     return lines
 
 
+def model_line(m: dict) -> str:
+    """Model <name> (<n> parameters, <s>x<s> inputs), <k> classes of <data> (<n> train / <n> test images)."""
+    params = f"{m['param_count']:,} parameters, " if m.get("param_count") else ""
+    size = f"{m['input_size']}x{m['input_size']} inputs" if m.get("input_size") else "CIFAR-sized inputs"
+    classes = f"{m['num_classes']} classes of " if m.get("num_classes") else ""
+    return (f"Model {m.get('model') or m.get('arch')} ({params}{size}), {classes}{m.get('data_source')} data "
+            f"({m.get('train_images')} train / {m.get('test_images')} test images)")
+
+
 def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], changed: dict) -> str:
     base = summary["baseline"]
+    first = next(iter(runs.values()))["metrics"] if runs else {}
     lines = ["# ampbench report: what FP16 mixed precision bought here", "", verdict(summary, env), ""]
+    if first:
+        lines += [f"{model_line(first)}.", ""]
     lines += ["## Results (measured in this run)", ""] + results_table(summary) + [""]
     if summary.get("missing"):
         lines += [f"No finished run for: {', '.join(summary['missing'])} (missing, not estimated).", ""]

@@ -34,8 +34,20 @@ def fp16_fractions(t: torch.Tensor, scale: float = 1.0) -> dict[str, float]:
             "subnormal": ((h != 0) & (h.abs() < FP16_MIN_NORMAL)).sum().item() / n}
 
 
+# Modules with children that still compute something of their own: attention's softmax(QK^T)V runs inside
+# MultiheadAttention, not in a child, so the audit watches it as a whole.
+COMPOSITE = (nn.MultiheadAttention,)
+
+
 def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, m) for name, m in model.named_modules() if name and not list(m.children())]
+    """The modules the audit watches: every leaf, and composites that compute outside their children."""
+    return [(name, m) for name, m in model.named_modules()
+            if name and (not list(m.children()) or isinstance(m, COMPOSITE))]
+
+
+def _first_tensor(out):
+    """A module's output tensor: itself, or the first of a tuple (attention returns (output, weights))."""
+    return out[0] if isinstance(out, tuple) and out and torch.is_tensor(out[0]) else out
 
 
 def _without_inplace(model: nn.Module) -> nn.Module:
@@ -62,6 +74,7 @@ def audit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], sc
     handles = []
     for name, m in layers:
         def dtype_hook(mod, inp, out, name=name):
+            out = _first_tensor(out)
             if torch.is_tensor(out):
                 rows[name]["autocast_dtype"] = str(out.dtype).replace("torch.", "")
         handles.append(m.register_forward_hook(dtype_hook))
@@ -74,6 +87,7 @@ def audit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], sc
         handles = []
         for name, m in layers:
             def value_hook(mod, inp, out, name=name):
+                out = _first_tensor(out)
                 if not torch.is_tensor(out) or not out.is_floating_point():
                     return
                 n = out.numel()
@@ -105,6 +119,7 @@ def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale
     handles = []
     for name, m in probe.named_modules():
         def fwd(mod, inp, out, name=name or "<model>"):
+            out = _first_tensor(out)
             if first["first_bad_module"] is None and torch.is_tensor(out) and not torch.isfinite(out).all():
                 first["first_bad_module"] = name
         handles.append(m.register_forward_hook(fwd))
