@@ -28,16 +28,26 @@ from ampbench.config import MlflowConfig, flatten, tracking_uri  # noqa: E402
 from ampbench.env import fingerprint, git_commit  # noqa: E402
 
 KEY_TAG = "ampbench.run_key"
+# MLflow 3's UI reads this experiment tag to know what kind of experiment it shows; without it the UI asks, and
+# leans to the GenAI (traces) view. Training runs are "custom model development": the runs table and charts.
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
 
 
 def _experiment_id(client: MlflowClient, cfg: MlflowConfig, uri: str, repo_root: Path) -> str:
     exp = client.get_experiment_by_name(cfg.experiment)
     if exp is not None:
+        if KIND_TAG not in exp.tags:  # made by an older ampbench, or by hand: mark it, never overwrite a choice
+            client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
         return exp.experiment_id
     artifacts = None
     if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
         artifacts = (Path(repo_root).resolve() / "mlartifacts").as_uri()
-    return client.create_experiment(cfg.experiment, artifact_location=artifacts)
+    return client.create_experiment(cfg.experiment, artifact_location=artifacts, tags={KIND_TAG: KIND})
+
+
+def ui_url(base: str, experiment_id: str) -> str:
+    """The experiment's runs table in the Machine Learning view of MLflow 3's UI (not the GenAI overview)."""
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
 
 
 def _metric_value(value) -> float | None:
