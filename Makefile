@@ -26,7 +26,7 @@ test: lint
 	pytest
 
 mlflow-ui: install
-	mlflow ui --backend-store-uri sqlite:///$(CURDIR)/mlflow.db --port 5000
+	ampbench mlflow-ui --port 5000
 
 bench: install
 	python benchmarks/overhead.py

@@ -125,6 +125,8 @@ def test_mlflow_server_serves_the_runs(pipeline):
                 assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
                 time.sleep(0.5)
         exp = _api(base, "/api/2.0/mlflow/experiments/get-by-name?experiment_name=ampbench")["experiment"]
+        # what MLflow 3's UI reads to show a training experiment (runs, charts), not the GenAI trace overview
+        assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in exp["tags"]
         runs = _api(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]]})["runs"]
         by_name = {r["info"]["run_name"]: r for r in runs}
         assert set(by_name) == {"train@fp32", "train@amp", "train@amp_accum", "report"}

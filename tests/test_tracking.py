@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -78,3 +79,46 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("ampbench").experiment_id])
     assert [r.info.run_name for r in runs] == ["train@fp32"]
     assert runs[0].data.params["train.batch_size"] == "32" and "final_acc" in runs[0].data.metrics
+
+
+# --- what MLflow 3's UI opens on ----------------------------------------------------------------
+
+def test_experiment_is_marked_as_model_training(tmp_mlflow, tmp_path):
+    from ampbench import tracking
+    cfg = config.MlflowConfig(experiment="kinds")
+    tracking.log_run(cfg, tmp_path, run_name="r", key="k1", params={}, metrics={"x": 1.0}, tags={})
+    client = MlflowClient(tmp_mlflow)
+    assert client.get_experiment_by_name("kinds").tags[tracking.KIND_TAG] == "custom_model_development"
+    old = client.create_experiment("older")  # made before ampbench set the tag: marked on the next log
+    tracking.log_run(config.MlflowConfig(experiment="older"), tmp_path, run_name="r", key="k2", params={},
+                     metrics={}, tags={})
+    assert client.get_experiment(old).tags[tracking.KIND_TAG] == "custom_model_development"
+    chosen = client.create_experiment("chosen", tags={tracking.KIND_TAG: "genai_development"})
+    assert tracking.prepare_ui(config.MlflowConfig(experiment="chosen"), tmp_mlflow, tmp_path) == chosen
+    assert client.get_experiment(chosen).tags[tracking.KIND_TAG] == "genai_development"  # a user's choice stays
+    assert tracking.prepare_ui(config.MlflowConfig(experiment="absent"), tmp_mlflow, tmp_path) is None
+
+
+def test_ui_url_opens_the_runs_table_in_the_model_training_view():
+    from ampbench import tracking
+    assert tracking.ui_url("http://127.0.0.1:5000/", "3") == \
+        "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"
+    assert tracking.ui_url("http://h:1", None) == "http://h:1/#/experiments?workflowType=machine_learning"
+
+
+def test_the_installed_mlflow_ui_reads_what_ampbench_sets():
+    """MLflow 3.17's UI picks GenAI or model training from the `workflowType` URL parameter (default genai) and
+    reads the experiment's `mlflow.experimentKind` tag; a new MLflow that drops either fails here, not in a browser."""
+    import mlflow
+
+    from ampbench import tracking
+    js = "".join(p.read_text(errors="ignore") for p in
+                 (Path(mlflow.__file__).parent / "server" / "js" / "build" / "static" / "js").glob("main.*.js"))
+    assert '"workflowType"' in js and 'MACHINE_LEARNING="machine_learning"' in js
+    assert f'"{tracking.KIND_TAG}"' in js and f'CUSTOM_MODEL_DEVELOPMENT="{tracking.KIND}"' in js
+
+
+def test_mlflow_ui_command_on_a_missing_store_is_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "ampbench.cli", "mlflow-ui", "--store", str(tmp_path / "no.db")],
+                          capture_output=True, text=True, env=env_with_venv(), timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "no such file" in proc.stderr and "Traceback" not in proc.stderr

@@ -45,9 +45,24 @@ def _experiment_id(client: MlflowClient, cfg: MlflowConfig, uri: str, repo_root:
     return client.create_experiment(cfg.experiment, artifact_location=artifacts, tags={KIND_TAG: KIND})
 
 
-def ui_url(base: str, experiment_id: str) -> str:
+def prepare_ui(cfg: MlflowConfig, uri: str, repo_root: Path) -> str | None:
+    """The experiment's id, marked as a training experiment for the UI; None if no run was logged yet."""
+    client = MlflowClient(uri)
+    if client.get_experiment_by_name(cfg.experiment) is None:
+        return None
+    return _experiment_id(client, cfg, uri, repo_root)
+
+
+def latest_pipeline(uri: str, experiment_id: str) -> str | None:
+    """The ampbench.pipeline tag of the newest run: the filter that shows one pipeline's runs."""
+    runs = MlflowClient(uri).search_runs([experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].data.tags.get("ampbench.pipeline") if runs else None
+
+
+def ui_url(base: str, experiment_id: str | None) -> str:
     """The experiment's runs table in the Machine Learning view of MLflow 3's UI (not the GenAI overview)."""
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    where = f"experiments/{experiment_id}/runs" if experiment_id else "experiments"
+    return f"{base.rstrip('/')}/#/{where}?workflowType=machine_learning"
 
 
 def _metric_value(value) -> float | None:
