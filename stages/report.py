@@ -30,7 +30,7 @@ def main() -> None:
     changed = {k: v for k, v in config.flatten(config.to_dict(cfg)).items()
                if config.flatten(config.to_dict(config.Config())).get(k, object()) != v}
     summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants), changed,
-                           curves_csv=Path(args.curves))
+                           curves_csv=Path(args.curves), target_acc=cfg.train.target_acc)
     print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
 
     if cfg.mlflow.enabled:

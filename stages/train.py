@@ -52,7 +52,7 @@ def save(plan: config.RunPlan, result: engine.RunResult, info: dict, out: Path, 
     result.metrics["git_commit"] = env.git_commit()
     result.metrics["env_fingerprint"] = env.fingerprint(info)
     results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
-                      result.numerics, result.system)
+                      result.numerics, result.system, result.profile_trace)
     if plan.mlflow.enabled:
         from ampbench import tracking
         pipeline = tracking.pipeline_id(plans_dir, env_path)

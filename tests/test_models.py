@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from ampbench import config, data, engine, models, numerics, runner
+from ampbench import config, data, models, numerics, runner, step
 from ampbench.config import AmpConfig, ModelConfig
 from ampbench.errors import ConfigError
 from ampbench.precision import PrecisionPolicy
@@ -33,7 +33,7 @@ def test_one_step_per_precision(arch, precision):
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randn(16, 3, 32, 32).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 7, (16,))
-    loss = engine.accumulate_gradients(model, x, y, 8, policy, scaler)  # two micro-batches
+    loss = step.accumulate_gradients(model, x, y, 8, policy, scaler)  # two micro-batches
     scaler.step(opt)
     scaler.update()
     assert torch.isfinite(loss)

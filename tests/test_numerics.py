@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, engine, models, numerics, runner
+from ampbench import config, data, models, numerics, runner, step
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.sandbox import REPO_ROOT
 
@@ -67,7 +67,7 @@ def _plan(variant="amp", precision="fp16", **extra):
 
 
 def test_overflowing_step_is_skipped_with_weights_unchanged(tiny, monkeypatch):
-    real = engine.accumulate_gradients
+    real = step.accumulate_gradients
     snapshots = []
 
     def poisoned(model, *args):
@@ -77,7 +77,7 @@ def test_overflowing_step_is_skipped_with_weights_unchanged(tiny, monkeypatch):
             next(model.parameters()).grad[0].fill_(float("inf"))
         return loss
 
-    monkeypatch.setattr(engine, "accumulate_gradients", poisoned)
+    monkeypatch.setattr(step, "accumulate_gradients", poisoned)
     result = runner.train(_plan(), tiny, progress=False)
     assert all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2], strict=True))  # step 2 skipped
     assert not all(torch.equal(a, b) for a, b in zip(snapshots[0], snapshots[1], strict=True))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, engine, models, runner
+from ampbench import config, data, engine, models, runner, step
 from ampbench.config import AmpConfig
 from ampbench.precision import PrecisionPolicy, micro_batch_size
 
@@ -36,7 +36,7 @@ def test_micro_batch_size():
 
 def _grads(model, x, y, micro, policy):
     model.zero_grad(set_to_none=True)
-    loss = engine.accumulate_gradients(model, x, y, micro, policy, policy.scaler())
+    loss = step.accumulate_gradients(model, x, y, micro, policy, policy.scaler())
     return loss, [p.grad.clone() for p in model.parameters()]
 
 
@@ -94,7 +94,7 @@ def test_fp16_saves_activation_memory(tiny_params, tiny_data):
 
 def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeypatch):
     """An inf gradient: the step is skipped (weights unchanged), counted, and the scale backs off."""
-    real = engine.accumulate_gradients
+    real = step.accumulate_gradients
     calls = {"n": 0}
 
     def poisoned(model, *args):
@@ -104,7 +104,7 @@ def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeyp
             next(model.parameters()).grad[0].fill_(float("inf"))
         return loss
 
-    monkeypatch.setattr(engine, "accumulate_gradients", poisoned)
+    monkeypatch.setattr(step, "accumulate_gradients", poisoned)
     result = runner.train(_plan(tiny_params, "amp"), tiny_data, progress=False)
     m = result.metrics
     assert m["skipped_steps"] == 1 and m["final_loss_scale"] == 4096

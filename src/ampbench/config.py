@@ -82,6 +82,7 @@ class TrainConfig:
     augment: bool = True                      # random crop (4-pixel padding) and flip, on the device
     repeats: int = _opt(1, lo=1)              # trainings per variant, seeds seed, seed+1, ...: mean and spread
     compile: bool = False                     # torch.compile the model (first steps compile: raise warmup_steps)
+    target_acc: float = _opt(0.0, lo=0, hi=1)  # report each variant's training time to this eval accuracy (0 = off)
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,11 @@ class AmpConfig:
     growth_interval: int = _opt(2000, lo=1)                   # clean steps before the scale grows
     max_consecutive_nonfinite: int = _opt(10, lo=1)  # inf/NaN-loss steps in a row (each skipped) before stopping
     audit_batches: int = _opt(2, lo=0)               # batches for the fp16 numerics audit (0 = no audit)
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    steps: int = _opt(3, lo=0)    # optimizer steps profiled with torch.profiler after training (0 = no profile)
 
 
 @dataclass(frozen=True)
@@ -127,6 +133,7 @@ class Config:
     variants: dict[str, Variant] = field(default_factory=_default_variants)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -299,6 +306,7 @@ class RunPlan:
     amp: AmpConfig | None         # None unless precision is fp16 (no GradScaler otherwise)
     mlflow: MlflowConfig
     debug: DebugConfig = field(default_factory=DebugConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     model_source: str = ""        # hash of model.factory's source: editing it reruns the train stages
 
 
@@ -307,8 +315,9 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") ->
         raise ConfigError(f"variant {variant!r} is not in params.yaml variants; "
                           f"defined: {', '.join(cfg.variants)}")
     v = cfg.variants[variant]
+    train = dataclasses.replace(cfg.train, target_acc=0.0)  # read by the report only: not a reason to retrain
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
-                   seed=cfg.seed, model=cfg.model, train=cfg.train,
+                   seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
                    amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug,
                    model_source=model_source)
 
@@ -328,4 +337,5 @@ def read_plan(path: str | Path) -> RunPlan:
         device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),
         train=TrainConfig(**raw["train"]), amp=AmpConfig(**raw["amp"]) if raw["amp"] else None,
         mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})),
+        profile=ProfileConfig(**raw.get("profile", {})),
         model_source=raw.get("model_source", ""))

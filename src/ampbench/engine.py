@@ -3,13 +3,12 @@
     python stages/train.py --plan reports/plans/amp.json ...   # what DVC runs for train@amp
 
 Variants differ only in data passed in: the precision policy (autocast dtype,
-GradScaler) and ``accum_steps``. ``Trainer.run_epoch`` is the loop;
+GradScaler) and ``accum_steps``. One optimizer step is ``step.train_step``. ``Trainer.run_epoch`` is the loop;
 ``runner.train`` drives it epoch by epoch with checkpoints and Ctrl-C handling.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ampbench import flops, measure, models, numerics
+from ampbench import flops, measure, models, numerics, probes, step
 from ampbench.config import RunPlan
 from ampbench.data import DeviceBatches
 from ampbench.env import set_tf32
@@ -34,6 +33,7 @@ class RunResult:
     step_times_ms: list[float] = field(default_factory=list)  # timed (post-warm-up) steps, end to end
     numerics: list[dict] = field(default_factory=list)  # the fp16 audit, one row per layer
     system: list[dict] = field(default_factory=list)    # CPU/memory/GPU samples taken while training
+    profile_trace: str = ""                             # torch.profiler's Chrome trace of the profiled steps
 
 
 def lr_lambda(total_steps: int):
@@ -47,45 +47,6 @@ def lr_lambda(total_steps: int):
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return f
-
-
-def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int,
-                         policy: PrecisionPolicy, scaler: torch.amp.GradScaler) -> torch.Tensor:
-    """Forward and backward ``x`` in micro-batches of ``micro``; return the batch's mean loss (on the device).
-
-    Each micro-batch's mean loss is weighted by its share of the batch, so the
-    summed gradients equal those of one full-batch step (for a short last
-    micro-batch too). With accum_steps = 4 that is the article's "divide the
-    loss by accum_steps".
-    """
-    n = len(y)
-    losses = []
-    for xs, ys in zip(x.split(micro), y.split(micro), strict=True):
-        with policy.autocast():
-            out = model(xs)
-            loss = F.cross_entropy(out, ys)  # autocast computes it in fp32
-            if len(ys) != n:
-                loss = loss * (len(ys) / n)
-        scaler.scale(loss).backward()  # scaled (fp16) so small gradients do not flush to zero
-        losses.append(loss.detach())
-    return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
-
-
-def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
-    """Max relative difference between k accumulated micro-batch gradients and one full-batch gradient.
-
-    In fp32, with BatchNorm in eval mode (its batch statistics would differ by
-    design), on a copy of the model: the two must agree to rounding.
-    """
-    probe = copy.deepcopy(model).float().eval()
-    policy = PrecisionPolicy("fp32", x.device.type, None)
-    grads = []
-    for size in (len(y), micro):
-        probe.zero_grad(set_to_none=True)
-        accumulate_gradients(probe, x.float(), y, size, policy, policy.scaler())
-        grads.append([p.grad.detach().clone() for p in probe.parameters() if p.grad is not None])
-    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(grads[1], grads[0], strict=True))
 
 
 def make_batches(plan: RunPlan, data: dict) -> tuple[DeviceBatches, DeviceBatches]:
@@ -115,16 +76,6 @@ def evaluate(model: torch.nn.Module, batches: DeviceBatches, policy: PrecisionPo
     return {"acc": correct.item() / max(1, n), "loss": loss_sum.item() / max(1, n)}  # one sync per evaluation
 
 
-def activation_bytes(model: torch.nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> int:
-    """Bytes autograd saves for backward in one forward pass of ``x`` (on a copy, so BN stats stay put)."""
-    probe = copy.deepcopy(model).train()
-    meter = measure.SavedTensorMeter()
-    with meter.measure(), policy.autocast():
-        out = probe(x)
-    del out, probe
-    return meter.bytes
-
-
 class Trainer:
     """One variant's model, optimizer, scaler, schedule and counters, and the loop that trains them."""
 
@@ -150,8 +101,8 @@ class Trainer:
         self.micro = micro_batch_size(plan.train.batch_size, plan.accum_steps)
 
         x, y = next(self.train_batches.epoch(0))
-        self.accum_check = accumulation_check(self.model, x, y, self.micro) if plan.accum_steps > 1 else None
-        self.activation_bytes = activation_bytes(self.model, x[:self.micro], self.policy)
+        self.accum_check = probes.accumulation_check(self.model, x, y, self.micro) if plan.accum_steps > 1 else None
+        self.activation_bytes = probes.activation_bytes(self.model, x[:self.micro], self.policy)
         self.flops_per_image = flops.train_flops_per_image(self.model, x[:8], y[:8])  # per image: 8 suffice
         self.step_model = torch.compile(self.model) if plan.train.compile else self.model
         measure.reset_peak_memory(device)
@@ -182,10 +133,7 @@ class Trainer:
         """Train on one batch; return True if the scaler skipped the step (an inf/NaN gradient)."""
         n = len(y)
         self.last_batch = (x, y)  # kept (not copied) for a diagnosis if this step goes non-finite
-        self.opt.zero_grad(set_to_none=True)
-        loss = accumulate_gradients(self.step_model, x, y, self.micro, self.policy, self.scaler)
-        self.scaler.step(self.opt)  # unscales, and skips the update if any gradient is inf/NaN
-        self.scaler.update()        # once per optimizer step, not per micro-batch
+        loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro)
         skipped = nonfinite_loss = False
         if self.policy.uses_scaler:
             # scaler.step already synced to check for inf; reading the scale costs nothing more.

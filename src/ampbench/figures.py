@@ -121,8 +121,37 @@ def audit(runs: dict[str, dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def profile(runs: dict[str, dict], path: Path) -> Path | None:
+    """Time per step by op category (torch.profiler), every profiled variant side by side, stacked."""
+    from ampbench.profiling import CATEGORIES
+    profiled = {n: r["metrics"]["profile"] for n, r in runs.items() if (r["metrics"].get("profile") or {}).get(
+        "categories")}
+    if not profiled:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.55 * len(profiled)))
+    names = list(profiled)
+    left = [0.0] * len(names)
+    colors = plt.get_cmap("tab10")
+    for i, cat in enumerate(CATEGORIES):
+        widths = [p["categories"].get(cat, {}).get("ms_per_step", 0.0) for p in profiled.values()]
+        if any(widths):
+            ax.barh(names, widths, left=left, label=cat, color=colors(i % 10))
+            left = [a + b for a, b in zip(left, widths, strict=True)]
+    walls = [p["wall_ms_per_step"] for p in profiled.values()]
+    for y, (total, wall) in enumerate(zip(left, walls, strict=True)):
+        ax.text(max(total, wall), y, f" {wall:,.1f} ms wall", va="center", fontsize=8)
+    if max(left) / max(1e-9, min(left)) > 20:
+        ax.set_xscale("log")
+    ax.invert_yaxis()
+    basis = next(iter(profiled.values()))["basis"]
+    ax.set_xlabel(f"ms per optimizer step ({basis})")
+    ax.set_title("Where each step's time went (torch.profiler, after training)")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(profiled) < 3 else -0.2), ncol=5)
+    return _save(fig, path)
+
+
 def all_figures(runs: dict[str, dict], fig_dir: Path) -> list[Path]:
     made = [throughput(runs, fig_dir / "throughput.png"), memory(runs, fig_dir / "memory.png"),
             curves(runs, fig_dir / "curves.png"), loss_scale(runs, fig_dir / "loss_scale.png"),
-            audit(runs, fig_dir / "numerics_audit.png")]
+            audit(runs, fig_dir / "numerics_audit.png"), profile(runs, fig_dir / "profile.png")]
     return [p for p in made if p is not None]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ampbench import explain
+
 # The article's own measurement (ResNet-18, CIFAR-10, batch 256, CUDA 12.1, "NVIDIA 5090 (24GB)"): quoted, not ours.
 ARTICLE = {
     "hardware": 'the article\'s "NVIDIA 5090 (24GB)", CUDA 12.1, ResNet-18, CIFAR-10, batch 256',
@@ -145,7 +147,9 @@ def verdict(summary: dict, env: dict) -> str:
     r, base = rows[name], rows[base_name]
     where = env["gpu"]["name"] if env.get("gpu") else f"this CPU ({env.get('cpu_model')})"
     sp, (lo, hi) = r["speedup"], r.get("speedup_ci95") or [None, None]
-    ci = f" (95% CI {_x(lo)} to {_x(hi)})" if lo is not None and hi is not None else ""
+    one_process = (r.get("speedup_ci_method") or "").startswith("bootstrap")
+    ci = (f" (95% CI {_x(lo)} to {_x(hi)}{', from one process' + chr(39) + 's step times' if one_process else ''})"
+          if lo is not None and hi is not None else "")
     if lo is not None and lo > 1.02:
         speed = f"trained {_x(sp)}x faster{ci} than strict FP32"
     elif hi is not None and hi < 0.98:
@@ -172,6 +176,9 @@ def verdict(summary: dict, env: dict) -> str:
             text += " Why: " + "; ".join(why) + "."
     if r.get("skipped_steps"):
         text += f" The loss scaler skipped {r['skipped_steps']} overflowing steps."
+    cmp = (summary.get("profile_comparison") or {}).get(name)
+    if cmp:
+        text += " " + explain.why(name, base_name, cmp)
     return text
 
 
@@ -282,7 +289,13 @@ def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], 
         + (f"Ratios are against `{base}`." if base else "No fp32 variant ran, so there are no ratios."), ""]
     methods = sorted({r["speedup_ci_method"] for r in summary["variants"].values() if r.get("speedup_ci_method")})
     if methods:
-        lines += [f"Speedup interval: {'; '.join(methods)}.", ""]
+        lines += [f"Speedup interval: {'; '.join(methods)}."
+                  + (" A bootstrap over the step times of one process says nothing about process-to-process "
+                     "variation (another process can land on other kernels, clocks or memory placement); set "
+                     "train.repeats: 3 or more for a figure to publish." if any(m.startswith("bootstrap")
+                                                                                  for m in methods) else ""), ""]
+    lines += explain.time_to_accuracy_lines(summary)
+    lines += ["## Why: the step profile", ""] + explain.profile_lines(summary)
     lines += ["## Ours beside the article's", ""] + comparison_table(summary) + [""] + article_table() + [""]
     lines += ["## Memory, meter by meter", ""] + memory_table(summary) + [""]
     lines += ["Peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at the start of training "

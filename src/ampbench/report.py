@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from ampbench import markdown, measure
+from ampbench import explain, markdown, measure
 from ampbench.errors import DataError
 from ampbench.figures import all_figures
 from ampbench.results import atomic_write, csv_text, read_runs, write_json
@@ -54,16 +54,20 @@ COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_tim
           "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision")
 
 
-def summarize(runs: dict[str, dict]) -> dict:
-    """Per-variant figures and ratios against the fp32 baseline."""
+def summarize(runs: dict[str, dict], target_acc: float = 0.0) -> dict:
+    """Per-variant figures and ratios against the fp32 baseline; the profile comparison; time to accuracy."""
     base = pick_baseline(runs)
     bm = runs[base]["metrics"] if base else {}
-    out = {"baseline": base, "variants": {}}
+    out = {"baseline": base, "variants": {}, "target_acc": target_acc or None, "profile_comparison": {}}
     for name, run in runs.items():
         m = run["metrics"]
         row = {key: m.get(key) for key in COPIED}
         row.update(repeats=m.get("repeats", 1), status=m.get("status", "complete"),
                    step_time_ms_median=(m.get("step_time_ms") or {}).get("median"))
+        row["profile"] = m.get("profile")
+        if target_acc:
+            reached = explain.time_to_accuracy(run["history"], target_acc)
+            row["time_to_target_s"], row["time_to_target_epoch"] = reached or (None, None)
         spread = measure.throughput_spread(m.get("batch_size"), m.get("step_time_ms"))
         row["imgs_per_s_p10_p90"] = list(spread[1:]) if spread else None
         if base:
@@ -72,12 +76,17 @@ def summarize(runs: dict[str, dict]) -> dict:
             row["activation_ratio"] = _ratio(row["activation_bytes"], bm.get("activation_bytes"))
             acc, b_acc = row["final_acc"], bm.get("final_acc")
             row["acc_diff"] = None if acc is None or b_acc is None else acc - b_acc
+            if name != base:
+                cmp = explain.compare(bm, m, _ratio(m.get("peak_tflops_datasheet"), bm.get("peak_tflops_datasheet")))
+                if cmp:
+                    out["profile_comparison"][name] = cmp
         out["variants"][name] = row
     return out
 
 
 def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_dir: Path,
-          variants: list[str], changed_params: dict | None = None, curves_csv: Path | None = None) -> dict:
+          variants: list[str], changed_params: dict | None = None, curves_csv: Path | None = None,
+          target_acc: float = 0.0) -> dict:
     """Write report.md, summary.json and figures from the runs on disk; return the summary.
 
     Only ``variants`` (those in params.yaml, in its order) are reported: a folder
@@ -87,7 +96,7 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
     runs = {name: found[name] for name in variants if name in found}
     if not runs:
         raise DataError(f"no finished runs under {runs_dir}; run the train stages first (dvc repro)")
-    summary = summarize(runs)
+    summary = summarize(runs, target_acc)
     summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
     figures = all_figures(runs, fig_dir)
     rel = [Path(os.path.relpath(f, report_md.parent)).as_posix() for f in figures]

@@ -6,6 +6,7 @@
 - ``step_times.json``: the timed step times, for the report's confidence intervals
 - ``numerics.csv``: the fp16 numerics audit, one row per layer (fp16 variants)
 - ``system.csv``: CPU, memory (and GPU) samples taken during training
+- ``profile_trace.json``: torch.profiler's trace of the profiled steps (open it in Perfetto or chrome://tracing)
 
 Files are written under a temporary name and renamed, so a reader never sees half a file.
 """
@@ -20,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
-NUMERICS, SYSTEM = "numerics.csv", "system.csv"
+NUMERICS, SYSTEM, TRACE = "numerics.csv", "system.csv", "profile_trace.json"
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -61,8 +62,10 @@ def _clean(obj):
 
 
 def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: list[dict],
-              step_times_ms: list[float], numerics: list[dict] = (), system: list[dict] = ()) -> None:
+              step_times_ms: list[float], numerics: list[dict] = (), system: list[dict] = (),
+              trace: str = "") -> None:
     out_dir = Path(out_dir)
+    atomic_write(out_dir / TRACE, trace or '{"traceEvents": []}\n')  # an empty trace when profiling is off
     from ampbench.sysmon import COLUMNS
     atomic_write(out_dir / SYSTEM, csv_text(list(system), COLUMNS))
     hist_cols = list(history[0]) if history else ["epoch"]

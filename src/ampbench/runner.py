@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ampbench import checkpoint, measure, numerics
+from ampbench import checkpoint, measure, numerics, profiling
 from ampbench.config import RunPlan, to_dict
 from ampbench.engine import RunResult, Trainer
 from ampbench.errors import AmpbenchError, NonFiniteTraining
@@ -49,8 +49,12 @@ def stop_on_sigint(trainer: Trainer):
         signal.signal(signal.SIGINT, previous)
 
 
-def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: Path | None = None) -> RunResult:
-    """Train one variant for ``plan.train.epochs`` epochs and measure it, resuming from a checkpoint if any."""
+def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: Path | None = None,
+          profile: bool = True) -> RunResult:
+    """Train one variant for ``plan.train.epochs`` epochs and measure it, resuming from a checkpoint if any.
+
+    After training (never inside a timed step) come the fp16 numerics audit and the step profile.
+    """
     trainer = Trainer(plan, data, progress=progress)
     fp = checkpoint.fingerprint(to_dict(plan), data["meta"])
     state = checkpoint.load(checkpoint_dir, fp)
@@ -84,6 +88,10 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     if plan.amp and plan.amp.audit_batches:
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
         result.numerics = numerics.audit(trainer.model, audit, trainer.last_scale, trainer.device.type)
+    if profile and plan.profile.steps:
+        if progress:
+            tqdm.write(f"[{plan.variant}] profiling {plan.profile.steps} steps (torch.profiler, after the timed steps)")
+        result.metrics["profile"], result.profile_trace = profiling.profile_run(trainer, plan.profile.steps)
     return result
 
 
@@ -105,7 +113,7 @@ def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True,
             tqdm.write(f"[{plan.variant}] repeat {i + 1}/{plan.train.repeats} (seed {plan.seed + i})")
         ckpt = Path(checkpoint_dir) / f"repeat{i + 1}" if checkpoint_dir is not None else None
         runs.append(train(dataclasses.replace(plan, seed=plan.seed + i), data, progress=progress,
-                          checkpoint_dir=ckpt))
+                          checkpoint_dir=ckpt, profile=i == 0))  # one profile per variant: the first seed's
     out = dataclasses.replace(runs[0], metrics=dict(runs[0].metrics),
                               step_times_ms=[t for r in runs for t in r.step_times_ms])
     m = out.metrics

@@ -164,7 +164,7 @@ def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, e
             figures.loss_scale(one, fig_dir / "loss_scale.png")
         figures.audit(one, fig_dir / "numerics_audit.png")
         files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.NUMERICS,
-                                             results.SYSTEM)]
+                                             results.SYSTEM, results.TRACE)]
         tags = _tags("train", m["variant"], m, env_info, pipeline)
         tags["ampbench.status"] = m.get("status", "complete")
         if m.get("diagnosis"):  # a run stopped by inf/NaN: the first bad layer and gradient, searchable

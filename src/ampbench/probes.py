@@ -1,0 +1,41 @@
+"""One-off measurements a train stage takes before training: on a copy of the model and one batch.
+
+- ``accumulation_check``: k accumulated micro-batch gradients against one full-batch gradient.
+- ``activation_bytes``: the bytes autograd saves for backward in one forward pass.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from ampbench import measure, step
+from ampbench.precision import PrecisionPolicy
+
+
+def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
+    """Max relative difference between k accumulated micro-batch gradients and one full-batch gradient.
+
+    In fp32, with BatchNorm in eval mode (its batch statistics would differ by
+    design), on a copy of the model: the two must agree to rounding.
+    """
+    probe = copy.deepcopy(model).float().eval()
+    policy = PrecisionPolicy("fp32", x.device.type, None)
+    grads = []
+    for size in (len(y), micro):
+        probe.zero_grad(set_to_none=True)
+        step.accumulate_gradients(probe, x.float(), y, size, policy, policy.scaler())
+        grads.append([p.grad.detach().clone() for p in probe.parameters() if p.grad is not None])
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(grads[1], grads[0], strict=True))
+
+
+def activation_bytes(model: torch.nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> int:
+    """Bytes autograd saves for backward in one forward pass of ``x`` (on a copy, so BN stats stay put)."""
+    probe = copy.deepcopy(model).train()
+    meter = measure.SavedTensorMeter()
+    with meter.measure(), policy.autocast():
+        out = probe(x)
+    del out, probe
+    return meter.bytes

@@ -1,0 +1,177 @@
+"""Why a variant was (or was not) faster: a torch.profiler profile of a few optimizer steps, by category.
+
+After training, outside every timed step, ``profile_run`` copies the trained
+model, optimizer and GradScaler, runs one unprofiled step, then profiles
+``profile.steps`` more with the engine's own step (``step.train_step``). Each
+profiled op's self time (its kernels' time on a GPU, its CPU time on a CPU) goes
+to one category a person understands: the tensor-core work AMP speeds up
+(convolution and matmul), normalization, elementwise and activations, softmax
+and reductions, the dtype casts autocast adds, the optimizer, loss scaling,
+data preparation, and the rest; with the dtypes each category ran in. On CUDA
+also: how busy the GPU was against the step's wall time, and kernels per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from ampbench import measure
+
+# Kineto, torch.profiler's tracer, prints start/stop lines and, on a machine without a GPU, an "ERROR" that the
+# GPU count is zero; none of it is a problem, so only its fatal messages reach the terminal.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+from ampbench import step as step_fn
+
+TENSOR_CORE = "conv/matmul"
+CATEGORIES = (TENSOR_CORE, "normalization", "elementwise/activations", "softmax/reductions", "casts",
+              "optimizer", "loss scaling", "data preparation", "other")
+DATA_SCOPE = "ampbench::data"
+WARMUP = 2  # profiled steps thrown away before the ones that count
+# Op-name patterns, matched against the name lower-cased with "_" removed (aten::native_batch_norm -> nativebatchnorm).
+_PATTERNS = [
+    ("loss scaling", r"^amp"),  # _amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_
+    (TENSOR_CORE, r"conv|addmm|^mm$|^mmbackward|bmm|matmul|^linear|scaleddotproduct|attention|^einsum"),
+    ("normalization", r"batchnorm|layernorm|groupnorm|instancenorm|rmsnorm"),
+    ("softmax/reductions", r"softmax|^sum|^mean|nllloss|crossentropy|^norm$|^max$|^min$|argmax|^var|^std|logsumexp"
+                           r"|^amax|^amin|^prod|cumsum"),
+    ("casts", r"^to$|^tocopy|^copy$|^copybackward|^tocopybackward"),
+    ("elementwise/activations", r"relu|gelu|silu|sigmoid|tanh|hardswish|hardsigmoid|threshold|^add|^mul|^sub|^div"
+                                r"|^rsub|pool|dropout|^where|clamp|^fill|^zero|^neg|^exp|^sqrt|^rsqrt|^pow|^cat|index"
+                                r"|^gather|^scatter|^pad|constantpad|upsample|^abs|^sign|^lerp|^addcmul|^addcdiv"
+                                r"|^masked|^mse|^flip|^roll|^stack|^clone|^contiguous|^erf"),
+]
+_COMPILED = [(cat, re.compile(p)) for cat, p in _PATTERNS]
+_DTYPES = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16"}  # double: Python scalars
+
+
+def _normal(name: str) -> str:
+    """aten::native_batch_norm -> nativebatchnorm; autograd::engine::evaluate_function: MmBackward0 -> mmbackward."""
+    name = name.split("evaluate_function: ")[-1].split("::")[-1]
+    return name.lower().replace("_", "").rstrip("0123456789")
+
+
+def categorize(name: str, scopes: Iterable[str] = ()) -> str:
+    """The category of one profiled op, given its name and the names of the ops and scopes around it."""
+    scopes = list(scopes)
+    if DATA_SCOPE in scopes or name == DATA_SCOPE:
+        return "data preparation"
+    own = _normal(name)
+    in_optimizer = name.startswith("Optimizer.") or any(s.startswith("Optimizer.") for s in scopes)
+    if in_optimizer:
+        return "loss scaling" if re.match(r"^amp", own) else "optimizer"
+    for cat, pattern in _COMPILED:
+        if pattern.search(own):
+            return cat
+    return "other"
+
+
+def _dtype(event) -> str | None:
+    """The dtype an op computed in: its first floating-point input's (a copy's destination, for a cast)."""
+    for t in getattr(event, "input_dtypes", None) or []:
+        if t in _DTYPES:
+            return _DTYPES[t]
+    return None
+
+
+def _scopes(event) -> list[str]:
+    out, parent = [], event.cpu_parent
+    while parent is not None:
+        out.append(parent.name)
+        parent = parent.cpu_parent
+    return out
+
+
+def summarize(events, steps: int, wall_ms: float, on_cuda: bool) -> dict:
+    """Per category: milliseconds per step, share of the step's wall time, and the dtypes it ran in."""
+    ms = defaultdict(float)
+    dtype_ms: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    kernels, busy_us = 0, 0.0
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CPU:  # a kernel: counted through its launching op
+            kernels += 1
+            busy_us += e.time_range.elapsed_us()
+            continue
+        us = e.self_device_time_total if on_cuda else e.self_cpu_time_total
+        if us <= 0:
+            continue
+        cat = categorize(e.name, _scopes(e))
+        ms[cat] += us / 1000
+        dt = _dtype(e)
+        if dt:
+            dtype_ms[cat][dt] += us / 1000
+    per_step = wall_ms / steps
+    cats = {}
+    for cat in CATEGORIES:
+        if ms.get(cat):
+            total = sum(dtype_ms[cat].values())
+            shares = {k: v / total for k, v in sorted(dtype_ms[cat].items(), key=lambda kv: -kv[1])} if total else {}
+            cats[cat] = {"ms_per_step": ms[cat] / steps, "share": ms[cat] / steps / per_step if per_step else None,
+                         "dtypes": ", ".join(f"{k} {v:.0%}" for k, v in shares.items()) or None}
+    out = {"steps": steps, "basis": "CUDA kernel time" if on_cuda else "CPU time of each op",
+           "wall_ms_per_step": per_step, "categories": cats,
+           "attributed_ms_per_step": sum(ms.values()) / steps}
+    if on_cuda:
+        out.update(kernels_per_step=kernels / steps, gpu_busy_ms_per_step=busy_us / 1000 / steps,
+                   gpu_busy_fraction=busy_us / 1000 / wall_ms if wall_ms else None)
+    return out
+
+
+def profile_run(trainer, steps: int) -> tuple[dict, str]:
+    """Profile ``steps`` optimizer steps on copies of the trainer's model, optimizer and scaler; (summary, trace)."""
+    t0 = time.perf_counter()
+    device, on_cuda = trainer.device, trainer.device.type == "cuda"
+    model = copy.deepcopy(trainer.model).train()
+    opt = type(trainer.opt)(model.parameters(), **trainer.opt.defaults)
+    opt.load_state_dict(trainer.opt.state_dict())
+    scaler = trainer.policy.scaler()
+    if trainer.policy.uses_scaler:
+        scaler.load_state_dict(trainer.scaler.state_dict())
+    def epochs():  # epochs training never saw, as many as the steps need
+        e = trainer.plan.train.epochs
+        while True:
+            yield from trainer.train_batches.epoch(e)
+            e += 1
+
+    batches = epochs()
+
+    def step() -> None:
+        with record_function(DATA_SCOPE):  # the engine's data path: index, crop, flip, normalise on the device
+            x, y = next(batches)
+        step_fn.train_step(model, opt, scaler, trainer.policy, x, y, trainer.micro)
+
+    step()  # unprofiled: allocations, cuDNN autotuning
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    # The profiler's own first step is slow (it starts its tracers): WARMUP steps are traced and thrown away.
+    schedule = torch.profiler.schedule(wait=0, warmup=WARMUP, active=steps, repeat=1)
+    wall_ms = 0.0
+    with profile(activities=activities, record_shapes=True, schedule=schedule) as prof:
+        for i in range(WARMUP + steps):
+            measure.synchronize(device)
+            start = time.perf_counter()
+            step()
+            measure.synchronize(device)
+            if i >= WARMUP:
+                wall_ms += (time.perf_counter() - start) * 1000
+            prof.step()
+    summary = summarize(prof.events(), steps, wall_ms, on_cuda)
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = f.read()
+    finally:
+        os.unlink(path)
+    json.loads(trace)  # a broken export is a bug here, not a file to hand the user
+    summary["cost_s"] = time.perf_counter() - t0
+    return summary, trace
