@@ -1,15 +1,21 @@
-"""Overhead: the article's plain training loop against ampbench's engine, side by side in one process.
+"""Overhead: ampbench's engine against two plain training loops, side by side in one process.
 
-    python benchmarks/overhead.py                       # small CNN, fp32, CPU: the target is ratio >= 1.0
+    python benchmarks/overhead.py                       # small CNN, fp32, CPU: the target is ampbench/fastest >= 1.0
     python benchmarks/overhead.py --device cuda --arch resnet18 --batch 256 --precision fp16
 
-Both train the same model (same initial weights) on the same synthetic images with the same batch and
-precision. The plain loop is the article's: a torch DataLoader over the (pre-normalised) tensors, then
-autocast, GradScaler.scale/step/update, with no augmentation. ampbench's engine runs twice per round:
-without augmentation (like for like: the ratio measures the engine's own overhead, and the target applies
-to it) and with its on-device crop and flip (what `dvc repro` runs). Each reports img/s after the warm-up
-steps, data loading included. Exit status 1 if the like-for-like median ratio is below --target or the
-engine's data time is 5% of its step time or more.
+All train the same model (same initial weights) on the same synthetic images with the same batch and
+precision. Two baselines:
+
+- the article's loop: a torch DataLoader over the (pre-normalised) tensors, then autocast,
+  GradScaler.scale/step/update, with no augmentation;
+- the fastest honest plain loop: the pre-normalised images already on the device (channels_last), each
+  epoch indexed by a random permutation, and PyTorch's AMP recipe step; nothing else.
+
+ampbench's engine runs twice per round: without augmentation (like for like: the ratios measure the
+engine's own overhead, and the target applies to the fastest loop) and with its on-device crop and flip
+(what `dvc repro` runs). Each reports img/s after the warm-up steps, data included. Exit status 1 if the
+engine's like-for-like median ratio to the fastest loop is below --target, or its data time is 5% of its
+step time or more.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ampbench import config, data, models, runner
-from ampbench.config import MlflowConfig, ModelConfig, RunPlan, TrainConfig
+from ampbench.config import MlflowConfig, ModelConfig, ProfileConfig, RunPlan, TrainConfig
 from ampbench.measure import synchronize
 from ampbench.precision import DTYPES
 
@@ -57,6 +63,35 @@ def plain_loop(arch: str, channels_last: bool, images: torch.Tensor, labels: tor
     return seen / (time.perf_counter() - start)
 
 
+def fastest_loop(arch: str, images: torch.Tensor, labels: torch.Tensor, batch: int, precision: str, device: str,
+                 warmup: int, seed: int) -> float:
+    """Pre-normalised tensors on the device, a random permutation per epoch, the AMP recipe's step; img/s."""
+    torch.manual_seed(seed)
+    model = models.build(ModelConfig(arch=arch, channels_last=True), num_classes=10, image_size=32, device=device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
+    x_all = images.to(device).contiguous(memory_format=torch.channels_last)
+    y_all = labels.to(device)
+    order = torch.randperm(len(y_all), device=device)
+    seen, start = 0, None
+    for step, first in enumerate(range(0, len(y_all), batch)):
+        if step == warmup:
+            synchronize(device)
+            start = time.perf_counter()
+        idx = order[first:first + batch]
+        x, y = x_all[idx], y_all[idx]
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device, dtype=DTYPES[precision], enabled=precision != "fp32"):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if start is not None:
+            seen += len(y)
+    synchronize(device)
+    return seen / (time.perf_counter() - start)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -79,31 +114,35 @@ def main() -> None:
                        model=ModelConfig(arch=args.arch, channels_last=True),
                        train=TrainConfig(epochs=1, batch_size=args.batch, warmup_steps=args.warmup, augment=augment),
                        amp=config.AmpConfig() if args.precision == "fp16" else None,
-                       mlflow=MlflowConfig(enabled=False))
+                       mlflow=MlflowConfig(enabled=False), profile=ProfileConfig(steps=0))
 
     print(f"{args.arch}, {args.precision}, batch {args.batch}, {args.images} images, {args.device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'round':>5} {'plain':>8} {'ampbench':>9} {'ratio':>6} {'data':>6} {'+augment':>9} {'ratio':>6} "
-          f"{'data':>6}   (img/s; data = share of step time)")
-    ratios, aug_ratios, shares, aug_shares = [], [], [], []
-    for r in range(args.rounds):
-        plain = plain_loop(args.arch, True, x_float, y.cpu(), args.batch, args.precision, args.device,
-                           args.warmup, seed=r)
+    print(f"{'round':>5} {'article':>8} {'fastest':>8} {'ampbench':>9} {'/article':>8} {'/fastest':>8} {'data':>6} "
+          f"{'+augment':>9} {'/fastest':>8}   (img/s; data = share of the engine's step time)")
+    vs_article, vs_fast, aug_vs_fast, shares, aug_shares = [], [], [], [], []
+    for r in range(args.rounds):  # alternating, so drifts in clock speed hit every loop alike
+        article = plain_loop(args.arch, True, x_float, y.cpu(), args.batch, args.precision, args.device,
+                             args.warmup, seed=r)
+        fast = fastest_loop(args.arch, x_float, y, args.batch, args.precision, args.device, args.warmup, seed=r)
         same = runner.train(plan(False), prepared, progress=False).metrics
         aug = runner.train(plan(True), prepared, progress=False).metrics
-        ratios.append(same["imgs_per_s"] / plain)
-        aug_ratios.append(aug["imgs_per_s"] / plain)
+        vs_article.append(same["imgs_per_s"] / article)
+        vs_fast.append(same["imgs_per_s"] / fast)
+        aug_vs_fast.append(aug["imgs_per_s"] / fast)
         shares.append(same["data_time_fraction"])
         aug_shares.append(aug["data_time_fraction"])
-        print(f"{r + 1:>5} {plain:>8,.0f} {same['imgs_per_s']:>9,.0f} {ratios[-1]:>6.3f} {shares[-1]:>6.1%} "
-              f"{aug['imgs_per_s']:>9,.0f} {aug_ratios[-1]:>6.3f} {aug_shares[-1]:>6.1%}")
-    med, share = statistics.median(ratios), statistics.median(shares)
-    print(f"ampbench/plain, like for like: median {med:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}) over "
-          f"{len(ratios)} rounds; data time {share:.1%} of step time")
-    print(f"ampbench with augmentation/plain without: median {statistics.median(aug_ratios):.3f}; "
+        print(f"{r + 1:>5} {article:>8,.0f} {fast:>8,.0f} {same['imgs_per_s']:>9,.0f} {vs_article[-1]:>8.3f} "
+              f"{vs_fast[-1]:>8.3f} {shares[-1]:>6.1%} {aug['imgs_per_s']:>9,.0f} {aug_vs_fast[-1]:>8.3f}")
+    med, share = statistics.median(vs_fast), statistics.median(shares)
+    print(f"ampbench/article's loop, like for like: median {statistics.median(vs_article):.3f} "
+          f"(min {min(vs_article):.3f}, max {max(vs_article):.3f}) over {len(vs_article)} rounds")
+    print(f"ampbench/fastest plain loop, like for like: median {med:.3f} (min {min(vs_fast):.3f}, "
+          f"max {max(vs_fast):.3f}); data time {share:.1%} of step time")
+    print(f"ampbench with augmentation/fastest loop without: median {statistics.median(aug_vs_fast):.3f}; "
           f"data time {statistics.median(aug_shares):.1%} of step time")
     ok = med >= args.target and share < 0.05
-    print(f"target (like-for-like ratio >= {args.target}, data time < 5%): {'met' if ok else 'NOT met'}")
+    print(f"target (ampbench/fastest >= {args.target}, data time < 5%): {'met' if ok else 'NOT met'}")
     sys.exit(0 if ok else 1)
 
 

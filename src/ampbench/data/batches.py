@@ -14,10 +14,12 @@ class DeviceBatches:
 
     The set is stored once, zero-padded and NHWC; a batch is one ``index_select``
     of whole pixels straight from it (the shuffle, the random crop and the flip
-    folded into one index), then one conversion to normalised float32, which
-    comes out channels_last. With ``out_size`` (a model that needs larger
-    inputs than the data has), each batch is then resized on the device. Each epoch's order and augmentation come from a
-    generator seeded with (seed, epoch), so an epoch can be replayed exactly.
+    folded into one index; without augmentation, of whole images), then one
+    ``addcmul`` to normalised float32, which comes out channels_last. With
+    ``out_size`` (a model that needs larger inputs than the data has), each
+    batch is then resized on the device. Each epoch's order and augmentation
+    come from a generator seeded with (seed, epoch), so an epoch can be
+    replayed exactly.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
@@ -33,8 +35,9 @@ class DeviceBatches:
         self.channels_last, self.seed = channels_last, seed
         self.out_size = out_size if out_size and out_size != h else None
         dev = self.device = images.device
-        self.mean = torch.tensor(mean, device=dev).view(1, 3, 1, 1) * 255
+        self.images = self.pixels.view(n, self.hp, self.wp, c)  # whole images: read as such when not cropping
         self.inv_std = 1 / (torch.tensor(std, device=dev).view(1, 3, 1, 1) * 255)
+        self.bias = -torch.tensor(mean, device=dev).view(1, 3, 1, 1) * 255 * self.inv_std
         self.rows = torch.arange(h, device=dev).view(1, h, 1) * self.wp
         self.cols = torch.arange(w, device=dev).view(1, 1, w)
 
@@ -65,8 +68,12 @@ class DeviceBatches:
         c, h, w = self.shape
         for start in range(0, n, self.batch_size):
             sel = order[start:start + self.batch_size]
-            x = self.pixels.index_select(0, self._pixel_index(sel, g)).view(len(sel), h, w, c)
-            x = x.permute(0, 3, 1, 2).float().sub_(self.mean).mul_(self.inv_std)  # one new tensor, channels_last
+            if self.augment:  # one gather of whole pixels: shuffle, crop and flip in one index
+                x = self.pixels.index_select(0, self._pixel_index(sel, g)).view(len(sel), h, w, c)
+            else:  # whole images: no per-pixel index to build
+                x = self.images.index_select(0, sel)
+            # uint8 -> normalised float32 in one op, (x - mean) / std as x * (1/std) - mean/std; channels_last
+            x = torch.addcmul(self.bias, x.permute(0, 3, 1, 2), self.inv_std)
             if self.out_size:  # bilinear keeps channels_last
                 x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", align_corners=False)
             if not self.channels_last:
