@@ -28,4 +28,5 @@ def test_overhead_benchmark_runs(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "overhead.py"), "--images", "256", "--batch", "32",
          "--rounds", "1", "--warmup", "1", "--target", "0"], capture_output=True, text=True, timeout=600)
-    assert "ampbench/plain, like for like: median" in proc.stdout, proc.stderr[-3000:]
+    assert "ampbench/article's loop, like for like: median" in proc.stdout, proc.stderr[-3000:]
+    assert "ampbench/fastest plain loop, like for like: median" in proc.stdout
