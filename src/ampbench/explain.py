@@ -49,9 +49,14 @@ def _x(v: float) -> str:
 
 def why(name: str, base_name: str, cmp: dict) -> str:
     """One or two sentences: which categories got faster and by how much, which did not, and the bound."""
-    cats = {c: r for c, r in cmp["categories"].items() if r["speedup"] is not None and r["base_ms"] > 0}
+    cats = {c: r for c, r in cmp["categories"].items()
+            if r["speedup"] is not None and r["base_ms"] > 0 and c != "other"}
     big = sorted(cats, key=lambda c: -max(cats[c]["base_ms"], cats[c]["ms"]))[:3]  # where the time is
-    parts = [f"{c} {_x(cats[c]['speedup'])} ({cats[c]['base_ms']:.3g} -> {cats[c]['ms']:.3g} ms)" for c in big]
+
+    def change(sp: float) -> str:
+        return f"{sp:.2f}x faster" if sp >= 1 else f"{1 / sp:.3g}x slower"
+
+    parts = [f"{c} {change(cats[c]['speedup'])} ({cats[c]['base_ms']:.3g} -> {cats[c]['ms']:.3g} ms)" for c in big]
     text = (f"The step profile ({name} against {base_name}, ms per step) says where: " + ", ".join(parts) + ".")
     extra = [c for c in ("casts", "loss scaling") if cmp["categories"].get(c, {}).get("ms")]
     if extra:

@@ -128,7 +128,7 @@ def profile(runs: dict[str, dict], path: Path) -> Path | None:
         "categories")}
     if not profiled:
         return None
-    fig, ax = plt.subplots(figsize=(7.5, 0.9 + 0.55 * len(profiled)))
+    fig, ax = plt.subplots(figsize=(9.5, 1.6 + 0.55 * len(profiled)))
     names = list(profiled)
     left = [0.0] * len(names)
     colors = plt.get_cmap("tab10")
@@ -142,11 +142,13 @@ def profile(runs: dict[str, dict], path: Path) -> Path | None:
         ax.text(max(total, wall), y, f" {wall:,.1f} ms wall", va="center", fontsize=8)
     if max(left) / max(1e-9, min(left)) > 20:
         ax.set_xscale("log")
+    else:
+        ax.set_xlim(0, max(left + walls) * 1.2)  # room for the wall-time labels
     ax.invert_yaxis()
     basis = next(iter(profiled.values()))["basis"]
     ax.set_xlabel(f"ms per optimizer step ({basis})")
     ax.set_title("Where each step's time went (torch.profiler, after training)")
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(profiled) < 3 else -0.2), ncol=5)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 
