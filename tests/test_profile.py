@@ -144,7 +144,7 @@ def test_report_explains_from_the_profile(tmp_path):
     md = (tmp_path / "r.md").read_text()
     verdict = md.splitlines()[2]
     assert "conv/matmul 4.00x faster (60 -> 15 ms)" in verdict and "normalization 1.00x faster" in verdict
-    assert "at most 2.50x faster (an Amdahl bound" in verdict and "fp16 added 5 ms of casts" in verdict
+    assert "at most 2.50x faster (an Amdahl bound" in verdict and "amp added 5 ms of casts" in verdict
     assert "## Why: the step profile" in md and "| conv/matmul | 60 ms (60%; fp16 100%)" in md
     assert "GPU sat idle" in md and "20%" in md and "profile_trace.json" in md
     assert "| amp | 10.0 s | 2 | 3.00x |" in md

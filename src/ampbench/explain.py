@@ -58,10 +58,13 @@ def why(name: str, base_name: str, cmp: dict) -> str:
 
     parts = [f"{c} {change(cats[c]['speedup'])} ({cats[c]['base_ms']:.3g} -> {cats[c]['ms']:.3g} ms)" for c in big]
     text = (f"The step profile ({name} against {base_name}, ms per step) says where: " + ", ".join(parts) + ".")
-    extra = [c for c in ("casts", "loss scaling") if cmp["categories"].get(c, {}).get("ms")]
-    if extra:
-        text += " fp16 added " + " and ".join(f"{cmp['categories'][c]['ms'] - cmp['categories'][c]['base_ms']:.3g} "
-                                              f"ms of {c}" for c in extra) + " per step."
+    added = []
+    for c in ("casts", "loss scaling"):  # the work fp16 brings with it
+        row = cmp["categories"].get(c)
+        if row and row["ms"] > row["base_ms"]:
+            added.append(f"{row['ms'] - row['base_ms']:.3g} ms of {c}")
+    if added:
+        text += f" {name} added " + " and ".join(added) + " per step."
     bound = cmp.get("amdahl_bound")
     if bound:
         text += (f" Convolutions and matmuls were {cmp['tensor_core_share']:.0%} of the fp32 step, so even if "
