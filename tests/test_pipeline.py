@@ -58,11 +58,15 @@ def test_every_declared_output_exists(pipeline):
     assert all(f"| {v} |" in md for v in VARIANTS)
     summary = json.loads((r / "summary.json").read_text())
     assert set(summary["variants"]) == set(VARIANTS) and summary["variants"]["fp32"]["speedup"] == 1.0
-    for fig in ("throughput", "memory", "curves", "loss_scale", "numerics_audit"):
+    for fig in ("throughput", "memory", "curves", "loss_scale", "numerics_audit", "profile"):
         assert (r / "figures" / f"{fig}.png").is_file(), fig
     md_lines = md.splitlines()
     assert md_lines[2].startswith("On this CPU") and "FP16-AMP" in md_lines[2]  # the verdict comes first
     assert "## Numerical safety" in md and "fp16 numerics audit of `amp`" in md
+    assert "## Why: the step profile" in md and "| conv/matmul |" in md and "The step profile (amp against fp32" in md
+    for v in VARIANTS:  # the profile: in metrics.json, and its trace as a run file
+        assert json.loads((r / "runs" / v / "metrics.json").read_text())["profile"]["categories"]["conv/matmul"]
+        assert json.loads((r / "runs" / v / "profile_trace.json").read_text())["traceEvents"]
     curves = (r / "curves.csv").read_text().splitlines()
     assert curves[0] == "variant,epoch,eval_acc,train_loss,eval_loss" and len(curves) == 1 + len(VARIANTS)
 
@@ -135,7 +139,7 @@ def test_mlflow_server_serves_the_runs(pipeline):
         metrics = {m["key"] for m in by_name["train@amp"]["data"]["metrics"]}
         assert {"final_acc", "imgs_per_s", "eval/acc", "train/loss", "train/loss_scale_by_step",
                 "system/process_rss_bytes"} <= metrics
-        for name, wanted in (("train@amp", {"metrics.json", "history.csv", "figures"}),
+        for name, wanted in (("train@amp", {"metrics.json", "history.csv", "profile_trace.json", "figures"}),
                              ("report", {"report.md", "summary.json", "figures"})):
             rid = by_name[name]["info"]["run_id"]
             files = _api(base, f"/api/2.0/mlflow/artifacts/list?run_id={rid}")["files"]

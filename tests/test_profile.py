@@ -150,3 +150,26 @@ def test_report_explains_from_the_profile(tmp_path):
     assert "| amp | 10.0 s | 2 | 3.00x |" in md
     assert "says nothing about process-to-process variation" in md and "from one process's step times" in verdict
     assert (tmp_path / "fig" / "profile.png").is_file()
+
+
+def test_cuda_summary_counts_kernels_and_busy_time():
+    """On CUDA each op's time is its kernels' (self device) time; kernels give the GPU's busy share."""
+    from types import SimpleNamespace as NS
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def op(name, device_us, parent=None, dtypes=("c10::Half",)):
+        return NS(name=name, device_type=cpu, self_device_time_total=device_us, self_cpu_time_total=5.0,
+                  cpu_parent=parent, input_dtypes=list(dtypes))
+
+    def kernel(us):
+        return NS(name="void kernel", device_type=cuda, time_range=NS(elapsed_us=lambda: us), cpu_parent=None)
+
+    conv = op("aten::cudnn_convolution", 600.0)
+    bn = op("aten::native_batch_norm", 200.0, dtypes=("float",))
+    events = [conv, kernel(400.0), kernel(200.0), bn, kernel(200.0)]
+    s = profiling.summarize(events, steps=2, wall_ms=2.0, on_cuda=True)
+    assert s["basis"] == "CUDA kernel time" and s["kernels_per_step"] == 1.5
+    assert s["gpu_busy_ms_per_step"] == pytest.approx(0.4) and s["gpu_busy_fraction"] == pytest.approx(0.4)
+    assert s["categories"]["conv/matmul"] == {"ms_per_step": pytest.approx(0.3), "share": pytest.approx(0.3),
+                                              "dtypes": "fp16 100%"}
+    assert s["categories"]["normalization"]["dtypes"] == "fp32 100%"

@@ -157,8 +157,12 @@ def verdict(summary: dict, env: dict) -> str:
     else:
         speed = f"was no faster than FP32 ({_x(sp)}x{ci})"
     mem = r.get("mem_ratio")
-    mem_text = (f"using {abs(mem - 1):.0%} {'less' if mem < 1 else 'more'} peak memory" if mem is not None
-                else "with peak memory not measured")
+    if mem is None:
+        mem_text = "with peak memory not measured"
+    elif abs(mem - 1) < 0.005:
+        mem_text = "with the same peak memory (within 0.5%)"
+    else:
+        mem_text = f"using {abs(mem - 1):.0%} {'less' if mem < 1 else 'more'} peak memory"
     act = r.get("activation_ratio")
     act_text = f" and {abs(act - 1):.0%} {'less' if act < 1 else 'more'} activation memory" if act is not None else ""
     acc, b_acc, diff = r.get("final_acc"), base.get("final_acc"), r.get("acc_diff")
