@@ -18,6 +18,7 @@ def main() -> None:
     ap.add_argument("--runs", required=True)
     ap.add_argument("--env", required=True)
     ap.add_argument("--plans", required=True, help="the run plans, to tag the report with its pipeline")
+    ap.add_argument("--sweep", default="", help="sweep.json of the sweep stage (optional)")
     ap.add_argument("--report", required=True)
     ap.add_argument("--summary", required=True)
     ap.add_argument("--figures", required=True)
@@ -30,7 +31,9 @@ def main() -> None:
     changed = {k: v for k, v in config.flatten(config.to_dict(cfg)).items()
                if config.flatten(config.to_dict(config.Config())).get(k, object()) != v}
     summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants), changed,
-                           curves_csv=Path(args.curves), target_acc=cfg.train.target_acc)
+                           curves_csv=Path(args.curves), target_acc=cfg.train.target_acc,
+                           sweep=json.loads(Path(args.sweep).read_text()) if args.sweep and Path(args.sweep).is_file()
+                           else None)
     print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
 
     if cfg.mlflow.enabled:

@@ -21,6 +21,7 @@ SHRINK = {
     "data": {"source": "synthetic", "train_size": 128, "test_size": 64},
     "model": {"arch": "small_cnn"},
     "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 1, "eval_batch_size": 64},
+    "sweep": {"batch_sizes": [8, 16], "steps": 2},
 }
 
 

@@ -101,6 +101,16 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True)
+class SweepConfig:
+    enabled: bool = True          # run the batch-size sweep stage (false: it writes an empty result in a second)
+    batch_sizes: tuple[int, ...] = _opt((32, 64, 128, 256, 512, 1024), lo=1, nonempty=True)  # batches to time
+    steps: int = _opt(10, lo=1)   # timed optimizer steps per point, after 2 untimed ones (no full training)
+    precisions: tuple[str, ...] = _opt((), choices=PRECISIONS)  # precisions to sweep; () = those of the variants
+    find_max: bool = True         # the largest batch that fits: searched on CUDA, estimated on a CPU
+    memory_limit_gib: float = _opt(0.0, lo=0)  # cap the process's GPU memory, e.g. 24 for a 24 GB card (0 = all)
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     detect_anomaly: bool = False  # run training under torch.autograd.detect_anomaly (slow; finds the NaN's origin)
 
@@ -134,6 +144,12 @@ class Config:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+
+
+def sweep_precisions(cfg: Config) -> tuple[str, ...]:
+    """sweep.precisions, else the variants' precisions in their order."""
+    return cfg.sweep.precisions or tuple(dict.fromkeys(v.precision for v in cfg.variants.values()))
 
 
 _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
@@ -185,9 +201,23 @@ def _build(cls: type, raw: Any, path: str) -> Any:
             values[name] = _build_variants(raw[name], sub)
         elif dataclasses.is_dataclass(typ):
             values[name] = _build(typ, raw[name], sub)
+        elif typing.get_origin(typ) is tuple:
+            values[name] = _check_list(sub, raw[name], typing.get_args(typ)[0], dict(f.metadata))
         else:
             values[name] = _check_scalar(sub, raw[name], typ, dict(f.metadata))
     return cls(**values)
+
+
+def _check_list(path: str, value: Any, typ: type, meta: dict) -> tuple:
+    """A YAML list of scalars, each checked like a scalar field; no repeats."""
+    if not isinstance(value, list):
+        raise ConfigError(f"{_where(path, value)} is not a list; write it as [a, b, ...]")
+    if meta.get("nonempty") and not value:
+        raise ConfigError(f"{_where(path, value)} is empty; give at least one value")
+    items = tuple(_check_scalar(f"{path}[{i}]", v, typ, {**meta, "nonempty": False}) for i, v in enumerate(value))
+    if len(set(items)) != len(items):
+        raise ConfigError(f"{_where(path, value)} repeats a value; list each once")
+    return items
 
 
 def _build_variants(raw: Any, path: str) -> dict[str, Variant]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ampbench import explain
+from ampbench import explain, sweepreport
 
 # The article's own measurement (ResNet-18, CIFAR-10, batch 256, CUDA 12.1, "NVIDIA 5090 (24GB)"): quoted, not ours.
 ARTICLE = {
@@ -275,7 +275,8 @@ def model_line(m: dict) -> str:
 def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], changed: dict) -> str:
     base = summary["baseline"]
     first = next(iter(runs.values()))["metrics"] if runs else {}
-    lines = ["# ampbench report: what FP16 mixed precision bought here", "", verdict(summary, env), ""]
+    lines = ["# ampbench report: what FP16 mixed precision bought here", "",
+             verdict(summary, env) + sweepreport.sentence(summary.get("sweep")), ""]
     if first:
         lines += [f"{model_line(first)}.", ""]
     lines += ["## Results (measured in this run)", ""] + results_table(summary) + [""]
@@ -308,6 +309,7 @@ def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], 
               "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
               "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant. The data "
               "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", ""]
+    lines += sweepreport.lines(summary.get("sweep"))
     lines += ["## Numerical safety", ""] + safety_lines(summary, runs)
     if figures:
         lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in figures] + [""]

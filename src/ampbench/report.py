@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from ampbench import explain, markdown, measure
+from ampbench import explain, markdown, measure, sweepreport
 from ampbench.errors import DataError
 from ampbench.figures import all_figures
 from ampbench.results import atomic_write, csv_text, read_runs, write_json
@@ -86,7 +86,7 @@ def summarize(runs: dict[str, dict], target_acc: float = 0.0) -> dict:
 
 def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_dir: Path,
           variants: list[str], changed_params: dict | None = None, curves_csv: Path | None = None,
-          target_acc: float = 0.0) -> dict:
+          target_acc: float = 0.0, sweep: dict | None = None) -> dict:
     """Write report.md, summary.json and figures from the runs on disk; return the summary.
 
     Only ``variants`` (those in params.yaml, in its order) are reported: a folder
@@ -98,7 +98,8 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
         raise DataError(f"no finished runs under {runs_dir}; run the train stages first (dvc repro)")
     summary = summarize(runs, target_acc)
     summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
-    figures = all_figures(runs, fig_dir)
+    summary["sweep"] = sweepreport.summarize(sweep)
+    figures = all_figures(runs, fig_dir) + sweepreport.figures(summary["sweep"], fig_dir)
     rel = [Path(os.path.relpath(f, report_md.parent)).as_posix() for f in figures]
     atomic_write(report_md, markdown.render(summary, env, runs, rel, changed_params or {}))
     write_json(summary_json, summary)

@@ -22,9 +22,10 @@ PIPELINE = ["dvc.yaml", "stages", "src/ampbench"]
 # The CPU demo: the user's params with the data, model and run shrunk to fit two CPU minutes.
 DEMO_OVERRIDES = {
     "device": "cpu",
-    "data": {"source": "synthetic", "train_size": 256, "test_size": 128},
+    "data": {"source": "synthetic", "train_size": 192, "test_size": 128},
     "model": {"arch": "small_cnn"},
     "train": {"epochs": 3, "batch_size": 16, "warmup_steps": 4, "eval_batch_size": 128},
+    "sweep": {"batch_sizes": [8, 16, 32], "steps": 2},
 }
 
 
