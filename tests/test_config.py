@@ -84,6 +84,12 @@ BAD = [  # (key, value, words the message must contain)
     ("bogus", 1, ["unknown key 'bogus'"]),
     ("variants.amp.bogus", 1, ["unknown key 'variants.amp.bogus'"]),
     ("amp", 5, ["amp", "mapping"]),
+    ("sweep.batch_sizes", [], ["sweep.batch_sizes", "empty"]),
+    ("sweep.batch_sizes", [8, 0], ["sweep.batch_sizes[1]", ">= 1"]),
+    ("sweep.batch_sizes", [8, 8], ["sweep.batch_sizes", "repeats"]),
+    ("sweep.batch_sizes", 64, ["sweep.batch_sizes", "not a list"]),
+    ("sweep.precisions", ["fp8"], ["sweep.precisions[0]", "fp32 | fp16 | bf16"]),
+    ("sweep.memory_limit_gib", -1, ["sweep.memory_limit_gib", ">= 0"]),
 ]
 
 

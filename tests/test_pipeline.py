@@ -226,3 +226,23 @@ def test_a_custom_factory_reruns_the_train_stages_when_its_file_changes(tmp_path
     assert "Running stage 'data'" not in edited.stdout
     m = json.loads((repo / "reports" / "runs" / "amp" / "metrics.json").read_text())
     assert m["param_count"] == 3 * 12 * 9 + 12 + 12 * 10 + 10
+
+
+def test_a_changed_batch_list_measures_only_the_new_sweep_points(pipeline):
+    repo, first = pipeline
+    assert "Running stage 'sweep'" in first.stdout
+    sweep_dir = repo / "reports" / "sweep"
+    assert "## Batch-size sweep" in (repo / "reports" / "report.md").read_text()
+    assert (repo / "reports" / "figures" / "sweep_throughput.png").is_file()
+    before = {p.name: p.read_bytes() for p in (sweep_dir / "points").iterdir()}
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["sweep"]["batch_sizes"] = [8, 16, 24]
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    proc = _dvc(repo, "repro")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Running stage 'sweep'" in proc.stdout and "2 point(s) measured, 4 reused" in proc.stdout
+    assert "Running stage 'train@" not in proc.stdout  # the sweep is not training
+    after = {p.name: p.read_bytes() for p in (sweep_dir / "points").iterdir()}
+    assert {n: after[n] for n in before} == before and {"fp32-24.json", "fp16-24.json"} <= set(after)
+    plots = _dvc(repo, "plots", "show", "--json", "sweep_throughput")
+    assert plots.returncode == 0 and '"imgs_per_s"' in plots.stdout and '"variant": "fp16"' in plots.stdout
