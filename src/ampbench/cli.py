@@ -18,8 +18,10 @@ from ampbench import config, sandbox
 from ampbench.errors import ConfigError, run_cli
 
 
-def demo(dest: Path) -> None:
+def demo(dest: Path, arch: str = "") -> None:
     params = sandbox.demo_params()
+    if arch:  # e.g. vit_tiny: the same demo, another model
+        params = sandbox.merge(params, {"model": {"arch": arch}})
     config.from_dict(params)  # a bad value in the user's params.yaml is reported before anything runs
     t0 = time.perf_counter()
     sandbox.create(dest, params)
@@ -69,6 +71,8 @@ def main() -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="run the pipeline on the CPU with synthetic data, in its own folder")
     d.add_argument("--dir", default="demo", help="folder for the demo's repository (default: demo)")
+    d.add_argument("--arch", default="", help="model.arch for the demo instead of small_cnn, e.g. vit_tiny "
+                                              "(fp16 is emulated on a CPU: a transformer takes minutes)")
     s = sub.add_parser("mlflow-sync", help="log on-disk runs missing from MLflow (no duplicates)")
     s.add_argument("--params", default="params.yaml")
     s.add_argument("--reports", default="reports", help="the pipeline's reports folder")
@@ -81,7 +85,7 @@ def main() -> None:
     if args.command == "mlflow-ui":
         run_cli(lambda: mlflow_ui(args))
     elif args.command == "demo":
-        run_cli(lambda: demo(Path(args.dir)))
+        run_cli(lambda: demo(Path(args.dir), args.arch))
     elif args.command == "mlflow-sync":
         run_cli(lambda: mlflow_sync(args))
 

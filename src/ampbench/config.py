@@ -210,7 +210,7 @@ def _build(cls: type, raw: Any, path: str) -> Any:
 
 def _check_list(path: str, value: Any, typ: type, meta: dict) -> tuple:
     """A YAML list of scalars, each checked like a scalar field; no repeats."""
-    if not isinstance(value, list):
+    if not isinstance(value, list | tuple):  # a tuple: a dict made by to_dict
         raise ConfigError(f"{_where(path, value)} is not a list; write it as [a, b, ...]")
     if meta.get("nonempty") and not value:
         raise ConfigError(f"{_where(path, value)} is empty; give at least one value")
