@@ -83,9 +83,9 @@ class Bench:
                              shuffle=True, channels_last=self.cfg.model.channels_last, seed=self.cfg.seed,
                              out_size=self.input_size)
 
-    def run(self, batch: int, steps: int) -> list[float]:
+    def run(self, batch: int, steps: int, feed: DeviceBatches | None = None) -> list[float]:
         """``WARMUP`` untimed then ``steps`` timed optimizer steps at ``batch``; their end-to-end times (ms)."""
-        feed = self.batches(batch)
+        feed = feed or self.batches(batch)
         timer = measure.StepTimer(self.device)
         for i in range(WARMUP + steps):
             if i >= WARMUP:
@@ -105,10 +105,11 @@ class Bench:
 
     def point(self, batch: int, steps: int) -> dict:
         measure.reset_peak_memory(self.device)
-        times = self.run(batch, steps)
+        feed = self.batches(batch)
+        times = self.run(batch, steps, feed)
         summary = measure.summarize_ms(times)
         spread = measure.throughput_spread(batch, summary)
-        x, _ = next(self.batches(batch).epoch(0))
+        x, _ = next(feed.epoch(0))
         ips = spread[0] if spread else None
         out = {"precision": self.precision, "batch_size": batch, "imgs_per_s": ips,
                "imgs_per_s_p10_p90": list(spread[1:]) if spread else None, "step_time_ms": summary,

@@ -17,7 +17,7 @@ def summarize(sweep: dict | None) -> dict | None:
     for p in sweep["points"]:
         by_prec.setdefault(p["variant"], []).append(p)
     found = sweep.get("largest") or {}
-    largest = {k: found[k] for k in sweep.get("precisions", found) if k in found}  # in the swept order
+    largest = {k: dict(found[k]) for k in sweep.get("precisions", found) if k in found}  # swept order; a copy
     base = (largest.get("fp32") or {}).get("largest_batch")
     for row in largest.values():
         row["vs_fp32"] = row["largest_batch"] / base if base and row.get("largest_batch") else None

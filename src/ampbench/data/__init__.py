@@ -22,6 +22,7 @@ from ampbench.config import DataConfig, source_md5
 from ampbench.data import cifar, folder
 from ampbench.data.batches import DeviceBatches
 from ampbench.data.cifar import ARCHIVE_NAME
+from ampbench.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from ampbench.data.synthetic import splits as synthetic_splits
 from ampbench.data.synthetic import synthetic
 from ampbench.errors import DataError
@@ -56,7 +57,7 @@ def describe(cfg: DataConfig) -> dict:
         classes, side = len(found["classes"]), cfg.image_size
     else:
         n_train, n_test = _SIZES[cfg.source]
-        classes = cifar.FORMATS[cfg.source].num_classes if cfg.source in cifar.FORMATS else 10
+        classes = cifar.FORMATS[cfg.source].num_classes if cfg.source in cifar.FORMATS else SYNTHETIC_CLASSES
         side = 32
         if cfg.source == "synthetic":
             n_train, n_test = cfg.train_size or n_train, cfg.test_size or n_test
@@ -86,7 +87,7 @@ def _read(cfg: DataConfig, seed: int, raw_dir: Path) -> tuple[dict, dict, int]:
     """The full splits, where they came from, and the class count."""
     if cfg.source == "synthetic":
         return (synthetic_splits(cfg.train_size or 50_000, cfg.test_size or 10_000, seed),
-                {"source": "synthetic", "seed": seed}, 10)
+                {"source": "synthetic", "seed": seed}, SYNTHETIC_CLASSES)
     if cfg.source == "folder":
         splits, classes = folder.read(cfg, seed)
         return splits, {"source": "folder", "path": cfg.path, "classes": classes}, len(classes)
@@ -134,7 +135,8 @@ def _stats(images: torch.Tensor) -> dict:
 def synthetic_in_memory(n_train: int, n_test: int, seed: int, device: str | torch.device) -> dict:
     """The synthetic set built in memory, in ``load_prepared``'s form (for benchmarks: no files)."""
     splits = synthetic_splits(n_train, n_test, seed)
-    meta = {"source": "synthetic", "seed": seed, "train_count": n_train, "test_count": n_test, "num_classes": 10,
+    meta = {"source": "synthetic", "seed": seed, "train_count": n_train, "test_count": n_test,
+            "num_classes": SYNTHETIC_CLASSES,
             "image_shape": [3, 32, 32], **_stats(splits["train"][0])}
     return {"meta": meta, **{k: tuple(t.to(device) for t in v) for k, v in splits.items()}}
 

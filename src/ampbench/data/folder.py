@@ -44,9 +44,10 @@ def scan(cfg: DataConfig) -> dict:
         raise DataError(f"data.path = {cfg.path!r} is not a folder; give an image folder ({LAYOUT})")
     split = _split_dirs(root)
     top = split[0] if split else root
-    classes = [c for c in _classes(top) if _images(top / c)]
+    images = {c: _images(top / c) for c in _classes(top)}  # each class folder listed once
+    classes = [c for c, found in images.items() if found]
     where = f"data.path = {cfg.path!r}" + (" (its train/ folder)" if split else "")
-    if not _classes(top):
+    if not images:
         raise DataError(f"{where} holds no class subfolders; put each class's images in a folder of its own: "
                         f"{LAYOUT}")
     if not classes:
@@ -54,7 +55,7 @@ def scan(cfg: DataConfig) -> dict:
                         f"the layout is {LAYOUT}")
     if len(classes) < 2:
         raise DataError(f"{where} has one class ({classes[0]}); a classifier needs at least two class folders")
-    files = {"train": [(p, i) for i, c in enumerate(classes) for p in _images(top / c)]}
+    files = {"train": [(p, i) for i, c in enumerate(classes) for p in images[c]]}
     if split:
         extra = sorted(set(_classes(split[1])) - set(classes))
         if extra:
