@@ -29,6 +29,8 @@ def main() -> None:
     cfg = config.load(args.params)  # every check happens before anything is written
     info = env.probe()
     device = env.resolve_device(cfg.device, info, {v.precision for v in cfg.variants.values()})
+    ddp_comms = {v.grad_comm or cfg.distributed.grad_comm for v in cfg.variants.values() if v.ddp}
+    env.check_distributed(cfg.distributed, device, info, ddp_comms)
     desc = data.describe(cfg.data)
     env.check_fits(data.resident_bytes(desc, cfg.train.augment), desc, device, info)
     model = models.check(cfg.model, num_classes=desc["num_classes"],
@@ -45,7 +47,9 @@ def main() -> None:
                   "on disk; log them later with `ampbench mlflow-sync`, or set mlflow.enabled: false")
     gpu = info["gpu"]
     print(f"env_check: device {device}" + (f" ({gpu['name']}, sm {gpu['capability']})" if gpu else "")
-          + f", torch {info['torch']}, variants: {', '.join(plans)}")
+          + f", torch {info['torch']}, variants: {', '.join(plans)}"
+          + (f", {cfg.distributed.nproc_per_node} processes per machine (torchrun, "
+             f"{config.resolve_backend(cfg.distributed, device)})" if cfg.distributed.nproc_per_node > 1 else ""))
     print(f"env_check: model {model['model']} ({model['param_count']:,} parameters), data {cfg.data.source}: "
           f"{desc['train_count']:,} train / {desc['test_count']:,} test images, {desc['num_classes']} classes")
 

@@ -1,7 +1,12 @@
 """Stage train@<variant>: train one variant with the shared engine; write its run files; log to MLflow.
 
-    python stages/train.py --plan reports/plans/amp.json --data data/prepared --env reports/env.json \
-        --out reports/runs/amp --checkpoints checkpoints/amp
+    torchrun --standalone --nproc-per-node 1 stages/train.py --plan reports/plans/amp.json --data data/prepared \
+        --env reports/env.json --out reports/runs/amp --checkpoints checkpoints/amp
+
+(or ``python stages/train.py ...``: one process). Under torchrun with several
+processes, each trains on its slice of every batch (DDP) and rank 0 alone
+writes the run files, the checkpoints and the MLflow run; a variant with
+``ddp: false`` trains on rank 0 alone while the other ranks exit at once.
 
 An interrupted run (Ctrl-C, a crash, a killed process) resumes from its last
 checkpoint when the stage runs again; the checkpoints are cleared once the
@@ -10,9 +15,10 @@ results are on disk.
 
 import argparse
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
-from ampbench import checkpoint, config, data, engine, env, results, runner
+from ampbench import checkpoint, config, data, distributed, engine, env, results, runner
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.sysmon import SystemMonitor
 
@@ -27,23 +33,41 @@ def main() -> None:
     args = ap.parse_args()
 
     plan = config.read_plan(args.plan)
+    distributed.exit_with_launcher()
+    launch = distributed.launched()
+    if not plan.ddp and launch.size > 1:
+        if launch.rank:
+            return  # ddp: false: rank 0 trains alone
+        world = distributed.SINGLE
+    else:
+        world = distributed.init(plan.backend, plan.device)
+    try:
+        train(plan, args, world)
+    finally:
+        distributed.shutdown()
+
+
+def train(plan: config.RunPlan, args: argparse.Namespace, world: distributed.World) -> None:
     info = json.loads(Path(args.env).read_text())
     prepared = data.load_prepared(Path(args.data), plan.device)
     out = Path(args.out)
     monitor = SystemMonitor(interval_s=0.5)
     try:
-        with monitor:
-            result = runner.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints))
+        with monitor if world.main else nullcontext():
+            result = runner.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints), world=world)
     except NonFiniteTraining as err:  # keep what the completed epochs measured, with the diagnosis
-        if err.result is not None:
+        if err.result is not None and world.main:
             err.result.system = monitor.rows
             save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env))
         raise
+    if not world.main:
+        return
     result.system = monitor.rows
     save(plan, result, info, out, Path(args.plan).parent, Path(args.env))
     checkpoint.clear(Path(args.checkpoints))
+    procs = f" over {world.size} processes ({world.backend})" if world.active else ""
     print(f"train@{plan.variant}: final accuracy {result.metrics['final_acc']:.4f}, "
-          f"{result.metrics['imgs_per_s'] or 0:.0f} img/s -> {out}")
+          f"{result.metrics['imgs_per_s'] or 0:.0f} img/s{procs} -> {out}")
 
 
 def save(plan: config.RunPlan, result: engine.RunResult, info: dict, out: Path, plans_dir: Path,

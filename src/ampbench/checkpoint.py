@@ -40,8 +40,11 @@ def save(folder: Path, state: dict) -> Path:
     return folder / CHECKPOINT
 
 
-def load(folder: Path | None, expected_fingerprint: str) -> dict | None:
-    """The checkpoint in ``folder`` if it was made under the same settings, else None (saying why)."""
+def load(folder: Path | None, expected_fingerprint: str, discard: bool = True) -> dict | None:
+    """The checkpoint in ``folder`` if it was made under the same settings, else None (saying why).
+
+    With ``discard`` (the process that writes them), a foreign or unreadable checkpoint is also deleted.
+    """
     if folder is None:
         return None
     path = Path(folder) / CHECKPOINT
@@ -50,12 +53,14 @@ def load(folder: Path | None, expected_fingerprint: str) -> dict | None:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a truncated or foreign file
-        print(f"checkpoint {path} is unreadable ({type(err).__name__}); discarding it and starting over")
-        path.unlink()
+        if discard:
+            print(f"checkpoint {path} is unreadable ({type(err).__name__}); discarding it and starting over")
+            path.unlink(missing_ok=True)
         return None
     if state.get("fingerprint") != expected_fingerprint:
-        print(f"checkpoint {path} was made with different params or data; discarding it and starting over")
-        path.unlink()
+        if discard:
+            print(f"checkpoint {path} was made with different params or data; discarding it and starting over")
+            path.unlink(missing_ok=True)
         return None
     return state
 

@@ -115,10 +115,22 @@ class DebugConfig:
     detect_anomaly: bool = False  # run training under torch.autograd.detect_anomaly (slow; finds the NaN's origin)
 
 
+GRAD_COMMS = ("none", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    nproc_per_node: int = _opt(1, lo=1)  # training processes per machine (torchrun --nproc-per-node); 1 = one process
+    backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))  # auto = nccl on CUDA, gloo on a CPU
+    grad_comm: str = _opt("none", choices=GRAD_COMMS)  # gradients all-reduced as fp32 (none), fp16 or bf16
+
+
 @dataclass(frozen=True)
 class Variant:
     precision: str = _opt("fp32", choices=PRECISIONS)  # fp32 | fp16 (autocast + GradScaler) | bf16 (autocast)
     accum_steps: int = _opt(1, lo=1)                   # micro-batches per optimizer step
+    ddp: bool = True              # false: one process even when distributed.nproc_per_node > 1 (the scaling baseline)
+    grad_comm: str = _opt("", choices=("", *GRAD_COMMS))  # "" = distributed.grad_comm
 
 
 @dataclass(frozen=True)
@@ -145,6 +157,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 def sweep_precisions(cfg: Config) -> tuple[str, ...]:
@@ -234,11 +247,18 @@ def _build_variants(raw: Any, path: str) -> dict[str, Variant]:
 
 
 def _cross_check(cfg: Config) -> None:
+    nproc = cfg.distributed.nproc_per_node
     for name, v in cfg.variants.items():
         if cfg.train.batch_size % v.accum_steps:
             raise ConfigError(
                 f"params.yaml: variants.{name}.accum_steps = {v.accum_steps} does not divide "
                 f"train.batch_size = {cfg.train.batch_size}; choose a divisor of the batch size, e.g. 1, 2 or 4")
+        world = nproc if v.ddp else 1
+        if world > 1 and cfg.train.batch_size % (world * v.accum_steps):
+            raise ConfigError(
+                f"params.yaml: train.batch_size = {cfg.train.batch_size} does not split into "
+                f"distributed.nproc_per_node = {nproc} processes x variants.{name}.accum_steps = {v.accum_steps} "
+                f"equal micro-batches; choose a batch size that is a multiple of {world * v.accum_steps}")
     d = cfg.data
     url = urlparse(d.url)
     if d.url and (url.scheme not in ("http", "https", "file") or not (url.netloc or url.path)):
@@ -338,6 +358,21 @@ class RunPlan:
     debug: DebugConfig = field(default_factory=DebugConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     model_source: str = ""        # hash of model.factory's source: editing it reruns the train stages
+    ddp: bool = True              # train on every process torchrun starts (false: rank 0 alone)
+    backend: str = "gloo"         # resolved process-group backend: nccl or gloo
+    grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
+
+
+def variant_world(cfg: Config, variant: str) -> int:
+    """Processes per machine the variant trains in: distributed.nproc_per_node, or 1 with ddp: false."""
+    return cfg.distributed.nproc_per_node if cfg.variants[variant].ddp else 1
+
+
+def resolve_backend(cfg: DistributedConfig, device: str) -> str:
+    """distributed.backend with auto resolved: nccl on CUDA, gloo on a CPU."""
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if device == "cuda" else "gloo"
 
 
 def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") -> RunPlan:
@@ -349,7 +384,8 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") ->
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
                    amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug,
-                   model_source=model_source)
+                   model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
+                   grad_comm=v.grad_comm or cfg.distributed.grad_comm)
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:
@@ -368,4 +404,5 @@ def read_plan(path: str | Path) -> RunPlan:
         train=TrainConfig(**raw["train"]), amp=AmpConfig(**raw["amp"]) if raw["amp"] else None,
         mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})),
         profile=ProfileConfig(**raw.get("profile", {})),
-        model_source=raw.get("model_source", ""))
+        model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
+        grad_comm=raw.get("grad_comm", "none"))

@@ -3,8 +3,11 @@
     python stages/train.py --plan reports/plans/amp.json ...   # what DVC runs for train@amp
 
 Variants differ only in data passed in: the precision policy (autocast dtype,
-GradScaler) and ``accum_steps``. One optimizer step is ``step.train_step``. ``Trainer.run_epoch`` is the loop;
-``runner.train`` drives it epoch by epoch with checkpoints and Ctrl-C handling.
+GradScaler) and ``accum_steps``; under torchrun, the ``World`` (see
+``distributed.py``): the same loop on every rank, each on its slice of every
+global batch, gradients all-reduced once per optimizer step. One optimizer step
+is ``step.train_step``. ``Trainer.run_epoch`` is the loop; ``runner.train``
+drives it epoch by epoch with checkpoints and Ctrl-C handling.
 """
 
 from __future__ import annotations
@@ -17,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ampbench import flops, measure, models, numerics, probes, step
+from ampbench import distributed, flops, measure, models, numerics, probes, step
 from ampbench.config import RunPlan
 from ampbench.data import DeviceBatches
 from ampbench.env import set_tf32
-from ampbench.errors import NonFiniteTraining
+from ampbench.errors import AmpbenchError, NonFiniteTraining
 from ampbench.precision import PrecisionPolicy, micro_batch_size
 
 
@@ -49,18 +52,25 @@ def lr_lambda(total_steps: int):
     return f
 
 
-def make_batches(plan: RunPlan, data: dict) -> tuple[DeviceBatches, DeviceBatches]:
+def make_batches(plan: RunPlan, data: dict, world: distributed.World = distributed.SINGLE,
+                 ) -> tuple[DeviceBatches, DeviceBatches]:
     meta = data["meta"]
     common = dict(mean=meta["mean"], std=meta["std"], channels_last=plan.model.channels_last,
-                  out_size=models.input_size(plan.model, meta["image_shape"][-1]))
+                  out_size=models.input_size(plan.model, meta["image_shape"][-1]), shard=(world.rank, world.size))
     train = DeviceBatches(*data["train"], plan.train.batch_size, augment=plan.train.augment, shuffle=True,
                           seed=plan.seed, **common)
     test = DeviceBatches(*data["test"], plan.train.eval_batch_size, augment=False, shuffle=False, **common)
     return train, test
 
 
-def evaluate(model: torch.nn.Module, batches: DeviceBatches, policy: PrecisionPolicy) -> dict:
-    """Accuracy and mean loss over the evaluation set, in the variant's precision."""
+def evaluate(model: torch.nn.Module, batches: DeviceBatches, policy: PrecisionPolicy,
+             world: distributed.World = distributed.SINGLE) -> dict:
+    """Accuracy and mean loss over the evaluation set, in the variant's precision.
+
+    Under DDP it is sharded: every rank evaluates rank 0's model (its BatchNorm statistics broadcast first) on
+    its slice of each batch, and the sums are all-reduced.
+    """
+    distributed.broadcast_buffers(model, world)
     model.eval()
     dev = batches.device
     loss_sum = torch.zeros((), device=dev)
@@ -68,22 +78,27 @@ def evaluate(model: torch.nn.Module, batches: DeviceBatches, policy: PrecisionPo
     n = 0
     with torch.no_grad(), policy.autocast():
         for x, y in batches.epoch(0):
+            if not len(y):
+                continue
             out = model(x)
             loss_sum += F.cross_entropy(out.float(), y, reduction="sum")
             correct += (out.argmax(dim=1) == y).sum()
             n += len(y)
     model.train()
-    return {"acc": correct.item() / max(1, n), "loss": loss_sum.item() / max(1, n)}  # one sync per evaluation
+    loss_total, correct_total, n = world.reduce([loss_sum.item(), correct.item(), n], device=dev)  # one sync
+    return {"acc": correct_total / max(1, n), "loss": loss_total / max(1, n)}
 
 
 class Trainer:
     """One variant's model, optimizer, scaler, schedule and counters, and the loop that trains them."""
 
-    def __init__(self, plan: RunPlan, data: dict, *, progress: bool = True):
+    def __init__(self, plan: RunPlan, data: dict, *, progress: bool = True,
+                 world: distributed.World = distributed.SINGLE):
         torch.manual_seed(plan.seed)
-        self.plan, self.progress, self.data_meta = plan, progress, data["meta"]
+        self.world = world
+        self.plan, self.progress, self.data_meta = plan, progress and world.main, data["meta"]
         self.counts = (len(data["train"][1]), len(data["test"][1]))
-        self.device = device = torch.device(plan.device)
+        self.device = device = world.device(torch.device(plan.device).type)
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # pick the fastest conv kernels for our fixed shapes
         self.tf32 = set_tf32(plan.train.allow_tf32)
@@ -95,16 +110,21 @@ class Trainer:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=plan.train.lr, momentum=plan.train.momentum,
                                    weight_decay=plan.train.weight_decay, nesterov=True)
         self.scaler = self.policy.scaler()
-        self.train_batches, self.test_batches = make_batches(plan, data)
+        self.train_batches, self.test_batches = make_batches(plan, data, world)
         self.steps_per_epoch = len(self.train_batches)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(plan.train.epochs * self.steps_per_epoch))
-        self.micro = micro_batch_size(plan.train.batch_size, plan.accum_steps)
+        if plan.train.batch_size % (world.size * plan.accum_steps):
+            raise AmpbenchError(f"train.batch_size = {plan.train.batch_size} does not split into {world.size} "
+                                f"processes x accum_steps = {plan.accum_steps} equal micro-batches; choose a "
+                                f"multiple of {world.size * plan.accum_steps}")
+        self.micro = micro_batch_size(plan.train.batch_size // world.size, plan.accum_steps)  # per rank
 
         x, y = next(self.train_batches.epoch(0))
         self.accum_check = probes.accumulation_check(self.model, x, y, self.micro) if plan.accum_steps > 1 else None
         self.activation_bytes = probes.activation_bytes(self.model, x[:self.micro], self.policy)
         self.flops_per_image = flops.train_flops_per_image(self.model, x[:8], y[:8])  # per image: 8 suffice
-        self.step_model = torch.compile(self.model) if plan.train.compile else self.model
+        self.ddp_model = distributed.wrap(self.model, world, plan.grad_comm)  # the model itself in one process
+        self.step_model = torch.compile(self.ddp_model) if plan.train.compile else self.ddp_model
         measure.reset_peak_memory(device)
 
         # Progress; everything here goes into a checkpoint.
@@ -133,7 +153,9 @@ class Trainer:
         """Train on one batch; return True if the scaler skipped the step (an inf/NaN gradient)."""
         n = len(y)
         self.last_batch = (x, y)  # kept (not copied) for a diagnosis if this step goes non-finite
-        loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro)
+        # this rank's share of the global batch, times the world: DDP's mean over ranks is the batch's mean
+        weight = n * self.world.size / self.train_batches.global_count(self.step_in_epoch) if self.world.active else 1
+        loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro, weight)
         skipped = nonfinite_loss = False
         if self.policy.uses_scaler:
             # scaler.step already synced to check for inf; reading the scale costs nothing more.
@@ -142,8 +164,11 @@ class Trainer:
             if scale != self.last_scale:
                 self.scale_history.append({"step": self.global_step + 1, "scale": scale, "skipped": skipped})
             self.last_scale = scale
-            # Only a skipped step can carry an inf/NaN loss; asking costs a sync on those steps alone.
-            nonfinite_loss = skipped and not bool(torch.isfinite(loss))
+            # Only a skipped step can carry an inf/NaN loss; asking costs a sync on those steps alone. Every
+            # rank skips the same steps (the all-reduced gradients are the same), and all count a loss that
+            # went inf/NaN on any rank, so their counters and the decision to stop stay the same.
+            if skipped:
+                nonfinite_loss = self.world.reduce([float(not torch.isfinite(loss))], "max", self.device)[0] > 0
         if skipped:
             self.skipped += 1  # the weights did not change, so neither does the LR schedule
         else:
@@ -202,7 +227,7 @@ class Trainer:
                 self.step_in_epoch += 1
                 bar.update(1)
                 if self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch:
-                    mean_loss = self.loss_sum.item() / max(1, self.seen)  # a sync every 25 steps
+                    mean_loss = self.mean_loss()  # a sync every 25 steps
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.sched.get_last_lr()[0]:.3g}")
                     if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
                         self.fail("the training loss became inf/NaN")
@@ -213,9 +238,14 @@ class Trainer:
                                                timed, sizes)
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
-        ev = evaluate(self.model, self.test_batches, self.policy)
+        if self.world.active:  # all ranks' images per wall second; the ranks' scalers must agree
+            ep_images, ep_ms = self.world.reduce([ep_images], "sum", self.device)[0], \
+                self.world.reduce([ep_ms], "max", self.device)[0]
+            distributed.check_agree(self.world, "the GradScaler's scale, skipped and inf/NaN-loss steps",
+                                    (self.last_scale, self.skipped, self.nonfinite_steps))
+        ev = evaluate(self.model, self.test_batches, self.policy, self.world)
         self.best_acc = max(self.best_acc, ev["acc"])
-        row = {"epoch": epoch + 1, "train_loss": self.loss_sum.item() / max(1, self.seen), "eval_loss": ev["loss"],
+        row = {"epoch": epoch + 1, "train_loss": self.mean_loss(), "eval_loss": ev["loss"],
                "eval_acc": ev["acc"], "lr": self.sched.get_last_lr()[0], "loss_scale": self.last_scale,
                "skipped_steps": self.skipped, "epoch_time_s": clock["s"],
                "imgs_per_s": ep_images / (ep_ms / 1000) if ep_ms else None}
@@ -229,6 +259,11 @@ class Trainer:
             tqdm.write(f"[{plan.variant}] epoch {epoch + 1}/{plan.train.epochs}: train loss {row['train_loss']:.4f}, "
                        f"eval acc {ev['acc']:.4f}, {ips}, {clock['s']:.1f}s, ETA {eta:.0f}s")
         return row
+
+    def mean_loss(self) -> float:
+        """This epoch's mean training loss so far, over all ranks (one sync)."""
+        total, seen = self.world.reduce([self.loss_sum.item(), self.seen], device=self.device)
+        return total / max(1, seen)
 
     def _collect_times(self, step_ms, data_ms, cycle_ms, timed, sizes) -> tuple[int, float]:
         """Keep the timed (post-warm-up) steps' times; return this call's images and end-to-end milliseconds."""
@@ -273,10 +308,18 @@ class Trainer:
         plan, device = self.plan, self.device
         e2e_ms = self.cycle_ms
         total_e2e, total_compute = sum(e2e_ms), sum(self.step_ms)
+        timed_images, data_ms = self.timed_images, sum(self.data_ms)
+        mem = measure.peak_memory(device)
+        if self.world.active:  # all ranks' images per wall second of the slowest rank; the largest rank's memory
+            timed_images = self.world.reduce([timed_images], "sum", device)[0]
+            total_e2e, total_compute, data_ms, *peaks = self.world.reduce(
+                [total_e2e, total_compute, data_ms, mem["peak_mem_bytes"], mem["peak_reserved_bytes"] or 0], "max",
+                device)
+            mem["peak_mem_bytes"], mem["peak_reserved_bytes"] = int(peaks[0]), int(peaks[1]) or None
         params = list(self.model.parameters())
         last = self.history[-1] if self.history else {"eval_acc": None, "train_loss": None, "eval_loss": None}
         device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        ips = self.timed_images / (total_e2e / 1000) if total_e2e else None
+        ips = timed_images / (total_e2e / 1000) if total_e2e else None
         peak_prec = flops.peak_precision(plan.precision, plan.train.allow_tf32)
         peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
         achieved = self.flops_per_image * ips / 1e12 if ips else None
@@ -286,14 +329,17 @@ class Trainer:
             "arch": plan.model.arch, **models.describe(self.model, plan.model), "input_size": self.input_size,
             "num_classes": self.data_meta["num_classes"], "device": plan.device, "device_name": device_name,
             "imgs_per_s": ips,  # end to end (data, compute, host work between steps), after warm-up
-            "compute_imgs_per_s": self.timed_images / (total_compute / 1000) if total_compute else None,
+            "compute_imgs_per_s": timed_images / (total_compute / 1000) if total_compute else None,
+            "world_size": self.world.size, "backend": self.world.backend or None,
+            "grad_comm": plan.grad_comm if self.world.active else None,
+            "imgs_per_s_per_process": ips / self.world.size if ips else None,
             "step_time_ms": measure.summarize_ms(e2e_ms),          # end to end: what the report compares
             "compute_time_ms": measure.summarize_ms(self.step_ms),  # forward, backward, optimizer step
             "data_time_ms": measure.summarize_ms(self.data_ms),
-            "data_time_fraction": sum(self.data_ms) / total_e2e if total_e2e else None,
+            "data_time_fraction": data_ms / total_e2e if total_e2e else None,
             "timed_steps": len(self.step_ms), "warmup_steps": plan.train.warmup_steps,
             "epoch_time_s": measure.percentile([r["epoch_time_s"] for r in self.history], 50) if self.history else None,
-            **measure.peak_memory(device),
+            **mem,  # under DDP: the largest of the ranks' peaks
             "activation_bytes": self.activation_bytes,
             "param_bytes": measure.tensor_bytes(params),
             "grad_bytes": measure.tensor_bytes(params),  # one fp32 gradient per parameter

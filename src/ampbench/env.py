@@ -82,6 +82,8 @@ def probe() -> dict:
             "bf16_supported": torch.cuda.is_bf16_supported(including_emulation=False),
             "tf32_capable": cap >= (8, 0),           # Ampere and later
         }
+        nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+        info["nccl"] = list(nccl) if isinstance(nccl, tuple) else nccl
     return info
 
 
@@ -120,6 +122,34 @@ def resolve_device(requested: str, info: dict, precisions: set[str]) -> str:
             f"a variant asks for precision bf16 but {info['gpu']['name']} (compute capability "
             f"{info['gpu']['capability']}) has no native bf16; remove that variant or use fp16")
     return device
+
+
+def check_distributed(cfg, device: str, info: dict, grad_comms: set[str]) -> None:
+    """Stop before anything starts when the distributed section cannot run here (``cfg``: DistributedConfig).
+
+    ``grad_comms``: the gradient communications the variants that train under DDP ask for.
+    """
+    nproc = cfg.nproc_per_node
+    if cfg.backend == "nccl" and device != "cuda":
+        raise EnvironmentMismatch("params.yaml: distributed.backend = 'nccl' needs CUDA GPUs and this run is on the "
+                                  "CPU; set distributed.backend: gloo (or auto)")
+    if device == "cuda" and info["gpu"] and nproc > info["gpu"]["count"]:
+        raise EnvironmentMismatch(
+            f"params.yaml: distributed.nproc_per_node = {nproc} but this machine has {info['gpu']['count']} "
+            f"CUDA GPU(s) ({info['gpu']['name']}); start at most one process per GPU: set "
+            f"distributed.nproc_per_node: {info['gpu']['count']}")
+    if device == "cpu" and nproc > (info.get("cpu_count") or 1):
+        raise EnvironmentMismatch(f"params.yaml: distributed.nproc_per_node = {nproc} but this machine has "
+                                  f"{info.get('cpu_count')} CPU cores; set at most that many processes")
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+    if backend == "nccl" and "bf16" in grad_comms:
+        nccl = info.get("nccl")
+        if nccl and tuple(nccl) < (2, 10):
+            raise EnvironmentMismatch(f"grad_comm bf16 needs NCCL 2.10 or later and this torch has NCCL "
+                                      f"{'.'.join(map(str, nccl))}; use grad_comm: fp16 or none")
+        if info["gpu"] and not info["gpu"]["bf16_supported"]:
+            raise EnvironmentMismatch(f"grad_comm bf16 needs a GPU with bf16 and {info['gpu']['name']} (compute "
+                                      f"capability {info['gpu']['capability']}) has none; use grad_comm: fp16")
 
 
 def check_fits(nbytes: int, desc: dict, device: str, info: dict, share: float = 0.9) -> None:

@@ -7,6 +7,7 @@ fix, with a non-zero exit code and no traceback.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 
@@ -47,7 +48,8 @@ def run_cli(main: Callable[[], None]) -> None:
     try:
         main()
     except AmpbenchError as err:
-        print(f"error: {err}", file=sys.stderr)
+        rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""  # under torchrun
+        print(f"error: {rank}{err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

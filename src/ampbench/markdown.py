@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ampbench import explain, sweepreport
+from ampbench import explain, scaling, sweepreport
 
 # The article's own measurement (ResNet-18, CIFAR-10, batch 256, CUDA 12.1, "NVIDIA 5090 (24GB)"): quoted, not ours.
 ARTICLE = {
@@ -255,6 +255,15 @@ def _env_lines(env: dict, runs: dict[str, dict], changed: dict) -> list[str]:
              f"- {model_line(first)}, batch {first.get('batch_size')}, {first.get('epochs')} epochs, "
              f"device {first.get('device')}",
              f"- Code: git commit {first.get('git_commit', 'unknown')}"]
+    worlds = {n: r["metrics"].get("world_size") or 1 for n, r in runs.items()}
+    if any(w > 1 for w in worlds.values()):
+        ddp = [n for n, w in worlds.items() if w > 1]
+        m = runs[ddp[0]]["metrics"]
+        lines.insert(-1, f"- Processes: {m['world_size']} (torchrun, {m.get('backend')} backend) for "
+                         f"{', '.join(ddp)}; one for {', '.join(n for n in worlds if n not in ddp) or 'none'}; "
+                         f"the global batch of {m.get('batch_size')} is split over the processes")
+    else:
+        lines.insert(-1, "- Processes: one per variant (world size 1)")
     if changed:
         lines.append("- Params that differ from the defaults: "
                      + ", ".join(f"`{k}: {v}`" for k, v in sorted(changed.items())))
@@ -310,6 +319,7 @@ def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], 
               "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant. The data "
               "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", ""]
     lines += sweepreport.lines(summary.get("sweep"))
+    lines += scaling.lines(summary.get("scaling"))
     lines += ["## Numerical safety", ""] + safety_lines(summary, runs)
     if figures:
         lines += ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in figures] + [""]

@@ -7,8 +7,12 @@ profiled op's self time (its kernels' time on a GPU, its CPU time on a CPU) goes
 to one category a person understands: the tensor-core work AMP speeds up
 (convolution and matmul), normalization, elementwise and activations, softmax
 and reductions, the dtype casts autocast adds, the optimizer, loss scaling,
-data preparation, and the rest; with the dtypes each category ran in. On CUDA
-also: how busy the GPU was against the step's wall time, and kernels per step.
+data preparation, gradient communication (under DDP), and the rest; with the
+dtypes each category ran in. On CUDA also: how busy the GPU was against the
+step's wall time, and kernels per step. Under DDP the profiled step is the DDP
+step (every rank profiles together), and the communication the step waits for
+is measured as the time a step loses to it: the same steps timed with and
+without their all-reduce (``no_sync``), slowest rank each.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ampbench import measure
+from ampbench import distributed, measure
 
 # Kineto, torch.profiler's tracer, prints start/stop lines and, on a machine without a GPU, an "ERROR" that the
 # GPU count is zero; none of it is a problem, so only its fatal messages reach the terminal.
@@ -33,11 +37,13 @@ from ampbench import step as step_fn
 
 TENSOR_CORE = "conv/matmul"
 CATEGORIES = (TENSOR_CORE, "normalization", "elementwise/activations", "softmax/reductions", "casts",
-              "optimizer", "loss scaling", "data preparation", "other")
+              "optimizer", "loss scaling", "data preparation", "communication", "other")
 DATA_SCOPE = "ampbench::data"
 WARMUP = 2  # profiled steps thrown away before the ones that count
 # Op-name patterns, matched against the name lower-cased with "_" removed (aten::native_batch_norm -> nativebatchnorm).
 _PATTERNS = [
+    ("communication", r"allreduce|allgather|broadcast|reducescatter|^nccl|gloo|recordparamcomms|ncclkernel"
+                      r"|nccldevkernel"),
     ("loss scaling", r"^amp"),  # _amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_
     (TENSOR_CORE, r"conv|addmm|^mm$|^mmbackward|bmm|matmul|^linear|scaleddotproduct|attention|^einsum"),
     ("normalization", r"batchnorm|layernorm|groupnorm|instancenorm|rmsnorm"),
@@ -125,13 +131,31 @@ def summarize(events, steps: int, wall_ms: float, on_cuda: bool) -> dict:
     return out
 
 
+def exposed_communication(step, steps: int, world: distributed.World, device: torch.device) -> dict:
+    """How much of a DDP step is spent waiting for the gradient all-reduce: the steps with and without it."""
+    def timed(sync: bool) -> float:
+        world.barrier()
+        measure.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(sync)
+        measure.synchronize(device)
+        return world.reduce([(time.perf_counter() - start) * 1000 / steps], "max", device)[0]  # the slowest rank
+
+    with_ms, without_ms = timed(True), timed(False)
+    return {"step_ms": with_ms, "step_ms_without_allreduce": without_ms,
+            "exposed_share": max(0.0, 1 - without_ms / with_ms) if with_ms else None}
+
+
 def profile_run(trainer, steps: int) -> tuple[dict, str]:
     """Profile ``steps`` optimizer steps on copies of the trainer's model, optimizer and scaler; (summary, trace)."""
     t0 = time.perf_counter()
     device, on_cuda = trainer.device, trainer.device.type == "cuda"
+    world = trainer.world
     model = copy.deepcopy(trainer.model).train()
     opt = type(trainer.opt)(model.parameters(), **trainer.opt.defaults)
     opt.load_state_dict(trainer.opt.state_dict())
+    step_model = distributed.wrap(model, world, trainer.plan.grad_comm)  # the copy itself in one process
     scaler = trainer.policy.scaler()
     if trainer.policy.uses_scaler:
         scaler.load_state_dict(trainer.scaler.state_dict())
@@ -143,10 +167,11 @@ def profile_run(trainer, steps: int) -> tuple[dict, str]:
 
     batches = epochs()
 
-    def step() -> None:
+    def step(sync: bool = True) -> None:
         with record_function(DATA_SCOPE):  # the engine's data path: index, crop, flip, normalise on the device
             x, y = next(batches)
-        step_fn.train_step(model, opt, scaler, trainer.policy, x, y, trainer.micro)
+        with distributed.sync_context(step_model, sync):  # sync=False: no all-reduce at all
+            step_fn.train_step(step_model, opt, scaler, trainer.policy, x, y, trainer.micro)
 
     step()  # unprofiled: allocations, cuDNN autotuning
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
@@ -163,6 +188,8 @@ def profile_run(trainer, steps: int) -> tuple[dict, str]:
                 wall_ms += (time.perf_counter() - start) * 1000
             prof.step()
     summary = summarize(prof.events(), steps, wall_ms, on_cuda)
+    if world.active:
+        summary["communication"] = exposed_communication(step, steps, world, device)
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:

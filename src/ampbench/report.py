@@ -11,7 +11,7 @@ import math
 import os
 from pathlib import Path
 
-from ampbench import explain, markdown, measure, sweepreport
+from ampbench import explain, markdown, measure, scaling, sweepreport
 from ampbench.errors import DataError
 from ampbench.figures import all_figures
 from ampbench.results import atomic_write, csv_text, read_runs, write_json
@@ -51,7 +51,8 @@ COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_tim
           "peak_reserved_bytes", "mem_meter", "activation_bytes", "param_bytes", "grad_bytes",
           "optimizer_state_bytes", "dataset_bytes", "final_acc", "final_acc_std", "best_acc", "skipped_steps",
           "nonfinite_loss_steps", "final_loss_scale", "data_time_fraction", "accum_grad_max_rel_diff",
-          "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision")
+          "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision", "world_size", "backend",
+          "grad_comm", "imgs_per_s_per_process")
 
 
 def summarize(runs: dict[str, dict], target_acc: float = 0.0) -> dict:
@@ -99,6 +100,7 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
     summary = summarize(runs, target_acc)
     summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
     summary["sweep"] = sweepreport.summarize(sweep)
+    summary["scaling"] = scaling.summarize(runs)
     figures = all_figures(runs, fig_dir) + sweepreport.figures(summary["sweep"], fig_dir)
     rel = [Path(os.path.relpath(f, report_md.parent)).as_posix() for f in figures]
     atomic_write(report_md, markdown.render(summary, env, runs, rel, changed_params or {}))

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ampbench import checkpoint, measure, numerics, profiling
+from ampbench import checkpoint, distributed, measure, numerics, profiling
 from ampbench.config import RunPlan, to_dict
 from ampbench.engine import RunResult, Trainer
 from ampbench.errors import AmpbenchError, NonFiniteTraining
@@ -31,8 +31,12 @@ class TrainingInterrupted(AmpbenchError):
 
 @contextmanager
 def stop_on_sigint(trainer: Trainer):
-    """First Ctrl-C: finish the current step, then stop; a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
+    """First Ctrl-C: finish the current step, then stop; a second one interrupts at once.
+
+    Under torchrun (a world of several ranks) Ctrl-C stops at once: the ranks could not agree on which step to
+    stop after without a collective every step, and the last epoch's checkpoint is the resume point.
+    """
+    if threading.current_thread() is not threading.main_thread() or trainer.world.active:
         yield
         return
 
@@ -50,23 +54,28 @@ def stop_on_sigint(trainer: Trainer):
 
 
 def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: Path | None = None,
-          profile: bool = True) -> RunResult:
+          profile: bool = True, world: distributed.World = distributed.SINGLE) -> RunResult:
     """Train one variant for ``plan.train.epochs`` epochs and measure it, resuming from a checkpoint if any.
 
-    After training (never inside a timed step) come the fp16 numerics audit and the step profile.
+    After training (never inside a timed step) come the fp16 numerics audit and the step profile. Under
+    torchrun every rank runs this; rank 0 alone writes the checkpoints, and every rank resumes from them.
     """
-    trainer = Trainer(plan, data, progress=progress)
-    fp = checkpoint.fingerprint(to_dict(plan), data["meta"])
-    state = checkpoint.load(checkpoint_dir, fp)
+    trainer = Trainer(plan, data, progress=progress, world=world)
+    fp = checkpoint.fingerprint({**to_dict(plan), "world_size": world.size}, data["meta"])
+    state = checkpoint.load(checkpoint_dir, fp, discard=world.main)
+    if world.active:
+        distributed.check_agree(world, "the checkpoint to resume from",
+                                None if state is None else (state["epoch"], state["global_step"]))
     if state is not None:
         trainer.load_state_dict(state)
-        print(f"[{plan.variant}] resuming from the checkpoint at epoch {trainer.epoch + 1}, "
+        if world.main:
+            print(f"[{plan.variant}] resuming from the checkpoint at epoch {trainer.epoch + 1}, "
               f"step {trainer.step_in_epoch} of {trainer.steps_per_epoch}", flush=True)
     try:
         with stop_on_sigint(trainer), torch.autograd.set_detect_anomaly(plan.debug.detect_anomaly):
             while trainer.epoch < plan.train.epochs:
                 trainer.run_epoch()
-                if checkpoint_dir is not None:
+                if checkpoint_dir is not None and world.main:
                     checkpoint.save(checkpoint_dir, {**trainer.state_dict(), "fingerprint": fp})
                 if trainer.stop_requested:
                     where = f"epoch {trainer.epoch + 1}, step {trainer.step_in_epoch}"
@@ -85,11 +94,11 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
         stopped.result.metrics.update(status="stopped: detect_anomaly", diagnosis={"anomaly": str(err)[:2000]})
         raise stopped from None
     result = trainer.result()
-    if plan.amp and plan.amp.audit_batches:
+    if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model, which writes the result
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
         result.numerics = numerics.audit(trainer.model, audit, trainer.last_scale, trainer.device.type)
     if profile and plan.profile.steps:
-        if progress:
+        if progress and world.main:
             tqdm.write(f"[{plan.variant}] profiling {plan.profile.steps} steps (torch.profiler, after the timed steps)")
         result.metrics["profile"], result.profile_trace = profiling.profile_run(trainer, plan.profile.steps)
     return result
@@ -100,7 +109,7 @@ REPEATED = ("imgs_per_s", "compute_imgs_per_s", "final_acc", "best_acc", "final_
 
 
 def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True,
-                  checkpoint_dir: Path | None = None) -> RunResult:
+                  checkpoint_dir: Path | None = None, world: distributed.World = distributed.SINGLE) -> RunResult:
     """Train ``plan.train.repeats`` times with seeds seed, seed+1, ...; mean and spread across them.
 
     The first repeat's history is the run's history; step times are pooled.
@@ -109,11 +118,11 @@ def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True,
     """
     runs = []
     for i in range(plan.train.repeats):
-        if progress and plan.train.repeats > 1:
+        if progress and plan.train.repeats > 1 and world.main:
             tqdm.write(f"[{plan.variant}] repeat {i + 1}/{plan.train.repeats} (seed {plan.seed + i})")
         ckpt = Path(checkpoint_dir) / f"repeat{i + 1}" if checkpoint_dir is not None else None
         runs.append(train(dataclasses.replace(plan, seed=plan.seed + i), data, progress=progress,
-                          checkpoint_dir=ckpt, profile=i == 0))  # one profile per variant: the first seed's
+                          checkpoint_dir=ckpt, profile=i == 0, world=world))  # one profile: the first seed's
     out = dataclasses.replace(runs[0], metrics=dict(runs[0].metrics),
                               step_times_ms=[t for r in runs for t in r.step_times_ms])
     m = out.metrics

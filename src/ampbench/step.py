@@ -10,39 +10,48 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ampbench import distributed
 from ampbench.precision import PrecisionPolicy
 
 
 def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int,
-                         policy: PrecisionPolicy, scaler: torch.amp.GradScaler) -> torch.Tensor:
+                         policy: PrecisionPolicy, scaler: torch.amp.GradScaler, weight: float = 1.0) -> torch.Tensor:
     """Forward and backward ``x`` in micro-batches of ``micro``; return the batch's mean loss (on the device).
 
     Each micro-batch's mean loss is weighted by its share of the batch, so the
     summed gradients equal those of one full-batch step (for a short last
     micro-batch too). With accum_steps = 4 that is the article's "divide the
-    loss by accum_steps".
+    loss by accum_steps". On a DDP model every micro-batch but the last runs
+    under ``no_sync()``, so the gradients are all-reduced once per optimizer
+    step; ``weight`` (this rank's share of the global batch times the world
+    size) keeps DDP's average over ranks equal to the global batch's mean when
+    the ranks' slices differ in size.
     """
     n = len(y)
     losses = []
-    for xs, ys in zip(x.split(micro), y.split(micro), strict=True):
-        with policy.autocast():
-            out = model(xs)
-            loss = F.cross_entropy(out, ys)  # autocast computes it in fp32
-            if len(ys) != n:
-                loss = loss * (len(ys) / n)
-        scaler.scale(loss).backward()  # scaled (fp16) so small gradients do not flush to zero
+    parts = list(zip(x.split(micro), y.split(micro), strict=True))
+    for i, (xs, ys) in enumerate(parts):
+        with distributed.sync_context(model, sync=i == len(parts) - 1):
+            with policy.autocast():
+                out = model(xs)
+                loss = F.cross_entropy(out, ys)  # autocast computes it in fp32
+                if len(ys) != n:
+                    loss = loss * (len(ys) / n)
+            # scaled (fp16) so small gradients do not flush to zero
+            scaler.scale(loss * weight if weight != 1 else loss).backward()
         losses.append(loss.detach())
     return losses[0] if len(losses) == 1 else torch.stack(losses).sum()
 
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-               policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor, micro: int) -> torch.Tensor:
+               policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor, micro: int,
+               weight: float = 1.0) -> torch.Tensor:
     """One optimizer step, as PyTorch's AMP recipe writes it; the batch's mean loss, left on the device.
 
     The training loop and the step profile both run this, so the profile shows the step that was timed.
     """
     opt.zero_grad(set_to_none=True)
-    loss = accumulate_gradients(model, x, y, micro, policy, scaler)
+    loss = accumulate_gradients(model, x, y, micro, policy, scaler, weight)
     scaler.step(opt)  # unscales, and skips the update if any gradient is inf/NaN
     scaler.update()   # once per optimizer step, not per micro-batch
     return loss

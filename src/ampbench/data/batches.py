@@ -20,12 +20,22 @@ class DeviceBatches:
     batch is then resized on the device. Each epoch's order and augmentation
     come from a generator seeded with (seed, epoch), so an epoch can be
     replayed exactly.
+
+    With ``shard=(rank, world)`` (data-parallel training) the batches are the
+    same global batches, order and augmentation as in one process, and each rank
+    yields its own slice of every one of them (slices differing by at most one
+    image); in training (``shuffle``) a last global batch smaller than the world
+    is dropped.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
                  augment: bool, shuffle: bool, channels_last: bool, seed: int = 0, pad: int = 4,
-                 out_size: int | None = None):
+                 out_size: int | None = None, shard: tuple[int, int] = (0, 1)):
         n, c, h, w = images.shape
+        self.rank, self.world = shard
+        tail = n % batch_size
+        # training: every rank must get an image of every batch, or DDP would wait on it (evaluation keeps all)
+        self.used = n - tail if shuffle and 0 < tail < self.world else n
         self.pad = pad if augment else 0
         p = self.pad
         self.hp, self.wp = h + 2 * p, w + 2 * p
@@ -46,17 +56,30 @@ class DeviceBatches:
         return self.pixels.numel() + self.labels.numel() * self.labels.element_size()
 
     def __len__(self) -> int:
-        return math.ceil(len(self.labels) / self.batch_size)
+        return math.ceil(self.used / self.batch_size)
 
-    def _pixel_index(self, sel: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        """Index of every output pixel in ``self.pixels``: image, then a random crop offset and flip."""
+    def global_count(self, i: int) -> int:
+        """Images in global batch ``i`` of an epoch (over all ranks)."""
+        return min(self.batch_size, self.used - i * self.batch_size)
+
+    def part(self, n: int) -> slice:
+        """This rank's slice of a global batch of ``n`` images."""
+        q, r = divmod(n, self.world)
+        lo = self.rank * q + min(self.rank, r)
+        return slice(lo, lo + q + (self.rank < r))
+
+    def _pixel_index(self, sel: torch.Tensor, g: torch.Generator, part: slice = slice(None)) -> torch.Tensor:
+        """Index of every output pixel in ``self.pixels`` for ``sel[part]``: image, then a random crop and flip.
+
+        The random numbers are drawn for all of ``sel``, so a rank's slice is augmented as in one process.
+        """
         n, w = len(sel), self.shape[2]
-        base = sel.view(n, 1, 1) * (self.hp * self.wp)
         if not self.augment:
-            return (base + self.rows + self.cols).view(-1)
-        dy = torch.randint(0, 2 * self.pad + 1, (n, 1, 1), device=self.device, generator=g)
-        dx = torch.randint(0, 2 * self.pad + 1, (n, 1, 1), device=self.device, generator=g)
-        flip = torch.rand(n, 1, 1, device=self.device, generator=g) < 0.5
+            return (sel[part].view(-1, 1, 1) * (self.hp * self.wp) + self.rows + self.cols).view(-1)
+        dy = torch.randint(0, 2 * self.pad + 1, (n, 1, 1), device=self.device, generator=g)[part]
+        dx = torch.randint(0, 2 * self.pad + 1, (n, 1, 1), device=self.device, generator=g)[part]
+        flip = torch.rand(n, 1, 1, device=self.device, generator=g)[part] < 0.5
+        base = sel[part].view(-1, 1, 1) * (self.hp * self.wp)
         cols = torch.where(flip, w - 1 - self.cols, self.cols)  # a flip reads the columns in reverse
         return (base + dy * self.wp + self.rows + dx + cols).view(-1)
 
@@ -66,11 +89,14 @@ class DeviceBatches:
         order = (torch.randperm(n, device=self.device, generator=g) if self.shuffle
                  else torch.arange(n, device=self.device))
         c, h, w = self.shape
-        for start in range(0, n, self.batch_size):
+        for start in range(0, self.used, self.batch_size):
             sel = order[start:start + self.batch_size]
+            part = self.part(len(sel)) if self.world > 1 else slice(None)
             if self.augment:  # one gather of whole pixels: shuffle, crop and flip in one index
-                x = self.pixels.index_select(0, self._pixel_index(sel, g)).view(len(sel), h, w, c)
+                x = self.pixels.index_select(0, self._pixel_index(sel, g, part)).view(-1, h, w, c)
+                sel = sel[part]
             else:  # whole images: no per-pixel index to build
+                sel = sel[part]
                 x = self.images.index_select(0, sel)
             # uint8 -> normalised float32 in one op, (x - mean) / std as x * (1/std) - mean/std; channels_last
             x = torch.addcmul(self.bias, x.permute(0, 3, 1, 2), self.inv_std)

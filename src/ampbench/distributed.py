@@ -1,0 +1,169 @@
+"""Data-parallel training under torchrun: the process group, DDP, gradient communication, what the ranks agree on.
+
+    torchrun --standalone --nproc-per-node 2 stages/train.py --plan reports/plans/amp.json ...
+
+torchrun starts the processes and sets RANK, WORLD_SIZE and LOCAL_RANK; with a
+world of one (or a plan with ``ddp: false``) nothing here starts a process group,
+and training is the single-process loop. With more, every rank builds the same
+model from the same seed, ``DistributedDataParallel`` all-reduces the gradients
+(as fp32, or compressed to fp16/bf16 by PyTorch's own communication hooks), each
+rank trains on its own slice of every global batch, and rank 0 alone writes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ampbench.errors import AmpbenchError
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the training processes."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    backend: str = ""
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        """True when gradients are all-reduced across processes."""
+        return self.size > 1
+
+    def device(self, kind: str) -> torch.device:
+        """The device this rank trains on: its own GPU (LOCAL_RANK) on CUDA."""
+        return torch.device("cuda", self.local_rank) if kind == "cuda" else torch.device("cpu")
+
+    def reduce(self, values: list[float], op: str = "sum", device: torch.device | None = None) -> list[float]:
+        """``values`` summed (or maxed) over the ranks; the values themselves in a world of one."""
+        if not self.active:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=device if self.backend == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def gather(self, obj) -> list:
+        """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` in a world of one."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+SINGLE = World()
+
+
+def launched() -> World:
+    """The world torchrun launched this process into (RANK, WORLD_SIZE, LOCAL_RANK), before any process group."""
+    env = os.environ
+    return World(rank=int(env.get("RANK", 0)), size=int(env.get("WORLD_SIZE", 1)),
+                 local_rank=int(env.get("LOCAL_RANK", 0)))
+
+
+def init(backend: str, device_kind: str) -> World:
+    """Join the process group torchrun set up (nothing to join in a world of one); this rank's ``World``."""
+    w = launched()
+    if w.size == 1:
+        return SINGLE
+    if backend == "nccl" and device_kind != "cuda":
+        raise AmpbenchError("distributed.backend = 'nccl' needs CUDA GPUs; use backend: gloo (or auto) on a CPU")
+    if device_kind == "cuda":
+        if torch.cuda.device_count() <= w.local_rank:
+            raise AmpbenchError(f"rank {w.rank} has LOCAL_RANK {w.local_rank} but this machine has "
+                                f"{torch.cuda.device_count()} GPU(s); start at most one process per GPU "
+                                "(torchrun --nproc-per-node)")
+        torch.cuda.set_device(w.local_rank)
+    if not dist.is_initialized():
+        kw = {"device_id": w.device(device_kind)} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, **kw)
+    return World(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=w.local_rank, backend=backend)
+
+
+def exit_with_launcher(poll_s: float = 0.5) -> None:
+    """Under torchrun, end this process when torchrun ends.
+
+    torchrun starts each worker in a session of its own, so a SIGKILL to torchrun (or to its process group, or
+    to the whole `dvc repro`) would leave the workers training, and writing, on their own. A daemon thread
+    watches the parent process and stops this one the moment it is gone.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent:
+                sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: torchrun has gone; stopping\n")
+                sys.stderr.flush()
+                os._exit(137)
+
+    threading.Thread(target=watch, name="ampbench-torchrun-watch", daemon=True).start()
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def comm_hook(grad_comm: str):
+    """PyTorch's DDP communication hook for ``grad_comm``: None for fp32 (DDP's built-in all-reduce)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return {"none": None, "fp16": default_hooks.fp16_compress_hook,
+            "bf16": default_hooks.bf16_compress_hook}[grad_comm]
+
+
+def wrap(model: torch.nn.Module, world: World, grad_comm: str = "none") -> torch.nn.Module:
+    """``model`` in DistributedDataParallel with ``grad_comm``'s hook; ``model`` itself in a world of one.
+
+    DDP broadcasts rank 0's weights and buffers when it is built, so every rank starts from the same model.
+    """
+    if not world.active:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dev = next(model.parameters()).device
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    hook = comm_hook(grad_comm)
+    if hook is not None:
+        ddp.register_comm_hook(state=None, hook=hook)
+    return ddp
+
+
+def sync_context(model: torch.nn.Module, sync: bool):
+    """``model.no_sync()`` when ``sync`` is false on a DDP model (gradients stay local); else nothing."""
+    if sync or not hasattr(model, "no_sync"):
+        return nullcontext()
+    return model.no_sync()
+
+
+def broadcast_buffers(model: torch.nn.Module, world: World) -> None:
+    """Rank 0's buffers (BatchNorm's running statistics) on every rank, e.g. before a sharded evaluation."""
+    if world.active:
+        for b in model.buffers():
+            dist.broadcast(b, src=0)
+
+
+def check_agree(world: World, what: str, value) -> None:
+    """Raise unless every rank holds the same ``value`` (e.g. the GradScaler's scale and skipped steps)."""
+    values = world.gather(value)
+    if any(v != values[0] for v in values[1:]):
+        raise AmpbenchError(f"the ranks disagree on {what}: " + ", ".join(f"rank {i}: {v}" for i, v in
+                                                                          enumerate(values)))

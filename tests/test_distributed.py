@@ -1,0 +1,294 @@
+"""Data-parallel training on the CPU: 2 gloo processes with one thread each, as torchrun would start them.
+
+DDP's gradients over two ranks equal one process's full-batch gradients, with and without accumulation, and
+accumulation all-reduces once per optimizer step (no_sync); an inf on one rank makes both skip the step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ampbench import config, data, distributed, models, step
+from ampbench.data import DeviceBatches
+from ampbench.engine import Trainer
+from ampbench.precision import PrecisionPolicy
+
+WORLD = 2
+MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join(rank: int, port: int) -> distributed.World:
+    """What torchrun gives a worker: its rank and the rendezvous address in the environment."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    return distributed.init("gloo", "cpu")
+
+
+def _spawn(fn, *args) -> None:
+    mp.spawn(fn, args=(_free_port(), *args), nprocs=WORLD, join=True)
+
+
+def _images(n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, 256, (n, 3, 16, 16), dtype=torch.uint8, generator=g), torch.randint(0, 10, (n,),
+                                                                                                generator=g)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = models.build(config.ModelConfig(arch="small_cnn", channels_last=False), num_classes=10, image_size=16,
+                         device=torch.device("cpu"))
+    return model.eval()  # BatchNorm on its running statistics: each image's gradient is its own
+
+
+def _gradients(model, batches: DeviceBatches, micro: int, world_size: int, ddp_model=None) -> list[torch.Tensor]:
+    x, y = next(batches.epoch(0))
+    weight = len(y) * world_size / batches.global_count(0) if world_size > 1 else 1.0
+    policy = PrecisionPolicy("fp32", "cpu", None)
+    step.accumulate_gradients(ddp_model or model, x, y, micro, policy, policy.scaler(), weight)
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _grad_worker(rank: int, port: int, out: str, batch: int, accum: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    world = _join(rank, port)
+    calls = [0]
+
+    def counting_allreduce(state, bucket):  # PyTorch's own all-reduce, counted
+        calls[0] += 1
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model = _model()
+    ddp = distributed.wrap(model, world)
+    ddp.register_comm_hook(None, counting_allreduce)
+    batches = DeviceBatches(*_images(), batch, MEAN, STD, augment=True, shuffle=True, channels_last=False, seed=3,
+                            shard=(world.rank, world.size))
+    micro = math.ceil(math.ceil(batch / WORLD) / accum)  # the largest slice over accum: the same on both ranks
+    grads = _gradients(model, batches, micro, world.size, ddp)
+    engine_calls = calls[0]
+    # Without no_sync: every micro-batch a step of its own, so every one of them all-reduces
+    model.zero_grad(set_to_none=True)
+    calls[0] = 0
+    x, y = next(batches.epoch(0))
+    policy = PrecisionPolicy("fp32", "cpu", None)
+    for xs, ys in zip(x.split(micro), y.split(micro), strict=True):
+        step.accumulate_gradients(ddp, xs, ys, len(ys), policy, policy.scaler())
+    torch.save({"grads": grads, "calls": engine_calls, "calls_without_no_sync": calls[0],
+                "local": len(y), "micro_batches": len(x.split(micro))}, Path(out) / f"rank{rank}.pt")
+    distributed.shutdown()
+
+
+@pytest.mark.parametrize("batch,accum", [(32, 1), (32, 4), (31, 2)])  # 31: slices of 16 and 15 images
+def test_ddp_gradients_equal_one_process_full_batch(tmp_path, batch, accum):
+    _spawn(_grad_worker, str(tmp_path), batch, accum)
+    model = _model()
+    whole = DeviceBatches(*_images(), batch, MEAN, STD, augment=True, shuffle=True, channels_last=False, seed=3)
+    ref = _gradients(model, whole, batch, 1)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    assert sum(r["local"] for r in ranks) == batch  # the two slices make up the global batch
+    scale = max(g.abs().max() for g in ref)
+    for r in ranks:
+        worst = max((g - gr).abs().max() for g, gr in zip(r["grads"], ref, strict=True))
+        assert worst / scale < 1e-5, f"DDP gradient differs from the full batch's by {worst / scale:.2e}"
+    buckets = ranks[0]["calls"]
+    assert buckets >= 1 and all(r["calls"] == buckets for r in ranks)  # one all-reduce per bucket per step
+    assert all(r["micro_batches"] == accum for r in ranks)
+    assert all(r["calls_without_no_sync"] == buckets * accum for r in ranks)
+    if accum > 1:
+        assert ranks[0]["calls_without_no_sync"] > buckets  # no_sync really skipped the intermediate all-reduces
+
+
+def test_shards_cover_each_global_batch_once():
+    x, y = _images(50)
+
+    def batches(shuffle: bool, shard=(0, 1)):
+        return list(DeviceBatches(x, y, 16, MEAN, STD, augment=True, shuffle=shuffle, channels_last=False,
+                                  shard=shard).epoch(2))
+
+    for shuffle in (True, False):
+        whole = batches(shuffle)
+        parts = [batches(shuffle, (r, 3)) for r in range(3)]
+        assert [len(b[1]) for b in whole] == [16, 16, 16, 2]
+        # training drops a last batch of 2 < 3 ranks (a rank without images would stall DDP); evaluation keeps it
+        assert [len(b[1]) for b in parts[0]] == ([6, 6, 6] if shuffle else [6, 6, 6, 1])
+        assert [len(b[1]) for b in parts[2]] == ([5, 5, 5] if shuffle else [5, 5, 5, 0])
+        for i in range(len(parts[0])):  # the same images, labels and augmentation as one process's batch
+            assert torch.equal(torch.cat([parts[r][i][1] for r in range(3)]), whole[i][1])
+            assert torch.equal(torch.cat([parts[r][i][0] for r in range(3)]), whole[i][0])
+
+
+def _inf_worker(rank: int, port: int, folder: str) -> None:
+    world = _join(rank, port)
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
+                            "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 0},
+                            "distributed": {"nproc_per_node": WORLD}})
+    plan = config.make_plan(cfg, "amp", "cpu")
+    prepared = data.load_prepared(Path(folder) / "prepared", "cpu")
+    trainer = Trainer(plan, prepared, progress=False, world=world)
+    batches = trainer.train_batches.epoch(0)
+    for i in range(3):
+        x, y = next(batches)
+        if i == 1 and rank == 1:
+            x = x.clone()
+            x[0] = float("inf")  # only this rank's slice of the batch goes non-finite
+        trainer.step_in_epoch = trainer.global_step = i  # what run_epoch keeps
+        trainer.optimizer_step(x, y)
+    out = {"skipped": trainer.skipped, "scale": trainer.last_scale, "history": trainer.scale_history,
+           "nonfinite": trainer.nonfinite_steps, "weights": sum(float(p.detach().double().sum()) for p in
+                                                                 trainer.model.parameters())}
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    distributed.shutdown()
+
+
+def test_an_inf_on_one_rank_makes_every_rank_skip_the_step(tmp_path):
+    data.prepare(config.DataConfig(source="synthetic", train_size=128, test_size=32), 0, tmp_path / "prepared",
+                 tmp_path / "raw")
+    _spawn(_inf_worker, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0] == ranks[1]  # the same skipped steps, scale history, counters and weights
+    assert ranks[0]["skipped"] == 1 and ranks[0]["nonfinite"] == 1
+    assert ranks[0]["scale"] == config.AmpConfig().init_scale / 2
+    assert ranks[0]["history"][-1] == {"step": 2, "scale": ranks[0]["scale"], "skipped": True}
+
+
+def test_ddp_false_and_grad_comm_reach_the_plan():
+    cfg = config.from_dict({"distributed": {"nproc_per_node": 2, "grad_comm": "bf16"},
+                            "variants": {"a": {"precision": "fp16"}, "b": {"precision": "fp16", "ddp": False},
+                                         "c": {"precision": "fp16", "grad_comm": "fp16"}}})
+    plans = {n: config.make_plan(cfg, n, "cuda") for n in cfg.variants}
+    assert [(p.ddp, p.grad_comm, p.backend) for p in plans.values()] == [
+        (True, "bf16", "nccl"), (False, "bf16", "nccl"), (True, "fp16", "nccl")]
+    assert config.variant_world(cfg, "b") == 1 and config.variant_world(cfg, "a") == 2
+    round_trip = config.read_plan(_write(plans["c"]))
+    assert round_trip == plans["c"]
+
+
+def _write(plan) -> Path:
+    import tempfile
+    path = Path(tempfile.mkdtemp()) / "plan.json"
+    config.write_plan(plan, path)
+    return path
+
+
+# --- the real pipeline: dvc repro with distributed.nproc_per_node: 2 --------------------------------------------
+
+DDP_VARIANTS = {"fp32": {"precision": "fp32", "accum_steps": 1},            # 2 processes
+                "fp32_1proc": {"precision": "fp32", "accum_steps": 1, "ddp": False},
+                "amp_accum": {"precision": "fp16", "accum_steps": 2, "grad_comm": "fp16"}}
+
+
+def _ddp_params(variants: dict) -> dict:
+    import copy
+
+    import yaml
+
+    from ampbench import sandbox
+    params = sandbox.merge(copy.deepcopy(yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())), {
+        "device": "cpu", "data": {"source": "synthetic", "train_size": 1024, "test_size": 64},
+        "model": {"arch": "small_cnn"}, "train": {"epochs": 3, "batch_size": 32, "warmup_steps": 2},
+        "sweep": {"enabled": False}, "profile": {"steps": 1}, "amp": {"audit_batches": 1},
+        "distributed": {"nproc_per_node": WORLD}})
+    params["variants"] = variants
+    return params
+
+
+def _repro(repo: Path, **kw):
+    import subprocess
+    import sys
+
+    from ampbench import sandbox
+    return subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=sandbox.env_with_venv(),
+                          capture_output=True, text=True, timeout=900, **kw)
+
+
+@pytest.fixture(scope="module")
+def ddp_pipeline(tmp_path_factory):
+    from ampbench import sandbox
+    repo = sandbox.create(tmp_path_factory.mktemp("ddp"), _ddp_params(DDP_VARIANTS))
+    mp_ = pytest.MonkeyPatch()
+    mp_.delenv("MLFLOW_TRACKING_URI", raising=False)
+    proc = _repro(repo)
+    mp_.undo()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return repo, proc
+
+
+def _history(repo: Path, variant: str) -> list[list[str]]:
+    rows = (repo / "reports" / "runs" / variant / "history.csv").read_text().splitlines()
+    return [r.split(",")[:5] for r in rows]  # epoch, train loss, eval loss, eval accuracy, lr
+
+
+@pytest.mark.slow
+def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
+    from mlflow.tracking import MlflowClient
+    repo, proc = ddp_pipeline
+    assert "torchrun --standalone --nproc-per-node 2 stages/train.py" in proc.stdout
+    metrics = {v: json.loads((repo / "reports" / "runs" / v / "metrics.json").read_text()) for v in DDP_VARIANTS}
+    assert [metrics[v]["world_size"] for v in DDP_VARIANTS] == [2, 1, 2]
+    assert metrics["amp_accum"]["grad_comm"] == "fp16" and metrics["amp_accum"]["micro_batch_size"] == 8
+    assert metrics["fp32"]["backend"] == "gloo" and metrics["fp32"]["optimizer_steps"] == 3 * 1024 // 32
+    assert metrics["fp32"]["profile"]["communication"]["step_ms"] > 0
+    for v in DDP_VARIANTS:  # one writer: one set of run files, one line saying so
+        assert sorted(p.name for p in (repo / "reports" / "runs" / v).iterdir()) == sorted(
+            ["history.csv", "loss_scale.csv", "metrics.json", "numerics.csv", "profile_trace.json", "step_times.json",
+             "system.csv", ".gitignore"])
+        assert proc.stdout.count(f"train@{v}: final accuracy") == 1
+        assert [p.name for p in (repo / "checkpoints" / v).iterdir()] == ["COMPLETE"]
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("ampbench").experiment_id])
+    names = sorted(r.info.run_name for r in runs)
+    assert names == sorted([f"train@{v}" for v in DDP_VARIANTS] + ["report"])  # one MLflow run per variant
+    report = (repo / "reports" / "report.md").read_text()
+    assert "## Past one process: data-parallel training (DDP)" in report
+    assert "| fp32 | 2 | gloo | fp32 |" in report and "`fp32_1proc`" in report
+    assert "- Processes: 2 (torchrun, gloo backend) for fp32, amp_accum; one for fp32_1proc" in report
+    summary = json.loads((repo / "reports" / "summary.json").read_text())
+    row = next(r for r in summary["scaling"]["rows"] if r["variant"] == "fp32")
+    assert row["efficiency"] == pytest.approx(metrics["fp32"]["imgs_per_s"] / (2 * metrics["fp32_1proc"]["imgs_per_s"]))
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_torchrun_group_then_dvc_repro_resumes_to_the_same_result(ddp_pipeline, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from ampbench import sandbox
+    reference, _ = ddp_pipeline
+    repo = sandbox.create(tmp_path / "repo", _ddp_params({"fp32": DDP_VARIANTS["fp32"]}))
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=sandbox.env_with_venv(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt = repo / "checkpoints" / "fp32" / "repeat1" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    workers = [p for p in psutil.process_iter(["cmdline", "cwd"]) if p.info["cwd"] == str(repo)
+               and "stages/train.py" in " ".join(p.info["cmdline"] or [])]
+    assert len(workers) == 1 + WORLD  # torchrun and its two workers
+    os.killpg(proc.pid, signal.SIGKILL)  # dvc and torchrun; torchrun's workers sit in sessions of their own
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"workers outlived torchrun: {alive}"
+    again = _repro(repo)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
+    assert _history(repo, "fp32") == _history(reference, "fp32")  # the same result as the uninterrupted run
