@@ -36,16 +36,37 @@ def _snapshot(root):
 @pytest.mark.parametrize(("name", "key", "value", "words"), CASES, ids=[c[0] for c in CASES])
 def test_bad_params_exit_2_with_one_line_and_change_nothing(tmp_path, monkeypatch, capsys, real_params,
                                                             name, key, value, words):
-    for rel, text in {"reports/env.json": "{}\n", "reports/plans/fp32.json": "{}\n",
-                      "data/prepared/meta.json": "{}\n"}.items():
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text(text)
     if key is not None:
         params = copy.deepcopy(real_params)
         _set(params, key, value)
         text = yaml.safe_dump(params)
     else:
         text = value or ""
+    _assert_rejected(tmp_path, monkeypatch, capsys, text, words)
+
+
+# What this machine cannot run (a CPU here): stopped by env_check before anything starts.
+MACHINE = [
+    ({"distributed.backend": "nccl"}, ["distributed.backend = 'nccl' needs CUDA GPUs", "backend: gloo"]),
+    ({"distributed.nproc_per_node": 4096, "train.batch_size": 16384}, ["nproc_per_node = 4096", "CPU cores"]),
+]
+
+
+@pytest.mark.parametrize(("changes", "words"), MACHINE, ids=[next(iter(c)) for c, _ in MACHINE])
+def test_distributed_params_this_machine_cannot_run_exit_2(tmp_path, monkeypatch, capsys, real_params, changes,
+                                                           words):
+    params = copy.deepcopy(real_params)
+    for key, value in {"device": "cpu", **changes}.items():
+        _set(params, key, value)
+    _assert_rejected(tmp_path, monkeypatch, capsys, yaml.safe_dump(params), words)
+
+
+def _assert_rejected(tmp_path, monkeypatch, capsys, text: str, words: list[str]) -> None:
+    """env_check on ``text``: exit 2, one line holding ``words``, no traceback, reports/ and data/ untouched."""
+    for rel, content in {"reports/env.json": "{}\n", "reports/plans/fp32.json": "{}\n",
+                         "data/prepared/meta.json": "{}\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(content)
     (tmp_path / "params.yaml").write_text(text)
     before = _snapshot(tmp_path)
     monkeypatch.chdir(tmp_path)

@@ -90,6 +90,12 @@ BAD = [  # (key, value, words the message must contain)
     ("sweep.batch_sizes", 64, ["sweep.batch_sizes", "not a list"]),
     ("sweep.precisions", ["fp8"], ["sweep.precisions[0]", "fp32 | fp16 | bf16"]),
     ("sweep.memory_limit_gib", -1, ["sweep.memory_limit_gib", ">= 0"]),
+    ("distributed.nproc_per_node", 0, ["distributed.nproc_per_node", ">= 1"]),
+    ("distributed.backend", "mpi", ["distributed.backend", "auto | nccl | gloo"]),
+    ("distributed.grad_comm", "int8", ["distributed.grad_comm", "none | fp16 | bf16"]),
+    ("variants.amp.grad_comm", "fp8", ["variants.amp.grad_comm", '"" | none | fp16 | bf16']),
+    ("variants.amp.ddp", "no", ["variants.amp.ddp", "true or false"]),
+    ("distributed.nproc_per_node", 3, ["train.batch_size = 256", "nproc_per_node = 3", "multiple of 3"]),
 ]
 
 

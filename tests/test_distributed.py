@@ -292,3 +292,22 @@ def test_sigkill_of_the_torchrun_group_then_dvc_repro_resumes_to_the_same_result
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
     assert _history(repo, "fp32") == _history(reference, "fp32")  # the same result as the uninterrupted run
+
+
+GPU = {"name": "NVIDIA T4", "count": 1, "capability": "7.5", "bf16_supported": False}
+
+
+@pytest.mark.parametrize(("changes", "info", "words"), [
+    ({"nproc_per_node": 2}, {"gpu": GPU}, ["nproc_per_node = 2", "1 CUDA GPU(s)", "nproc_per_node: 1"]),
+    ({"grad_comm": "bf16"}, {"gpu": {**GPU, "bf16_supported": True}, "nccl": [2, 8, 4]}, ["NCCL 2.10", "2.8.4"]),
+    ({"grad_comm": "bf16"}, {"gpu": GPU, "nccl": [2, 21, 5]}, ["NVIDIA T4", "has none", "grad_comm: fp16"]),
+])
+def test_distributed_settings_a_gpu_machine_cannot_run_are_refused(changes, info, words):
+    from ampbench import env
+    from ampbench.errors import EnvironmentMismatch
+    cfg = config.DistributedConfig(**changes)
+    with pytest.raises(EnvironmentMismatch) as err:
+        env.check_distributed(cfg, "cuda", {"cpu_count": 16, **info}, {cfg.grad_comm})
+    for word in words:
+        assert word in str(err.value)
+    env.check_distributed(config.DistributedConfig(), "cuda", {"cpu_count": 16, **info}, {"none"})  # the defaults run

@@ -180,7 +180,7 @@ def _check_scalar(path: str, value: Any, typ: type, meta: dict) -> Any:
     if not ok:
         raise ConfigError(f"{_where(path, value)} is not {_TYPE_NAMES[typ]}; set it to {_TYPE_NAMES[typ]}")
     if meta.get("choices") and value not in meta["choices"]:
-        allowed = " | ".join(meta["choices"])
+        allowed = " | ".join(c if c != "" else '""' for c in meta["choices"])
         raise ConfigError(f"{_where(path, value)} is not allowed; choose one of: {allowed}")
     if meta.get("nonempty") and not value.strip():
         raise ConfigError(f"{_where(path, value)} is empty; give it a name")
