@@ -1,6 +1,7 @@
 """The ampbench command.
 
     ampbench demo            # the same DVC pipeline on the CPU, synthetic data, small model; results in demo/
+    ampbench demo --nproc-per-node 2   # the same, data-parallel over 2 processes (torchrun, gloo)
     ampbench mlflow-sync     # log the on-disk runs that are not in MLflow yet (after a tracking outage)
     ampbench mlflow-ui       # the MLflow UI on this repository's store, opened on the runs table
 """
@@ -18,10 +19,12 @@ from ampbench import config, sandbox
 from ampbench.errors import ConfigError, run_cli
 
 
-def demo(dest: Path, arch: str = "") -> None:
+def demo(dest: Path, arch: str = "", nproc: int = 1) -> None:
     params = sandbox.demo_params()
     if arch:  # e.g. vit_tiny: the same demo, another model
         params = sandbox.merge(params, {"model": {"arch": arch}})
+    if nproc > 1:  # DDP, beside one-process runs of the same variants
+        params = sandbox.data_parallel(params, nproc)
     config.from_dict(params)  # a bad value in the user's params.yaml is reported before anything runs
     t0 = time.perf_counter()
     sandbox.create(dest, params)
@@ -73,6 +76,9 @@ def main() -> None:
     d.add_argument("--dir", default="demo", help="folder for the demo's repository (default: demo)")
     d.add_argument("--arch", default="", help="model.arch for the demo instead of small_cnn, e.g. vit_tiny "
                                               "(fp16 is emulated on a CPU: a transformer takes minutes)")
+    d.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
+                   help="train under torchrun with N processes (gloo), each variant also once in one process "
+                        "for the scaling efficiency, and fp32 with fp16 gradient communication")
     s = sub.add_parser("mlflow-sync", help="log on-disk runs missing from MLflow (no duplicates)")
     s.add_argument("--params", default="params.yaml")
     s.add_argument("--reports", default="reports", help="the pipeline's reports folder")
@@ -85,7 +91,7 @@ def main() -> None:
     if args.command == "mlflow-ui":
         run_cli(lambda: mlflow_ui(args))
     elif args.command == "demo":
-        run_cli(lambda: demo(Path(args.dir), args.arch))
+        run_cli(lambda: demo(Path(args.dir), args.arch, args.nproc_per_node))
     elif args.command == "mlflow-sync":
         run_cli(lambda: mlflow_sync(args))
 

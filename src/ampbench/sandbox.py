@@ -90,6 +90,19 @@ def repro(dest: Path, *args: str, check: bool = True) -> subprocess.CompletedPro
                           check=check)
 
 
+def data_parallel(params: dict, nproc: int) -> dict:
+    """``params`` trained by ``nproc`` processes, with what the report needs to judge it: each variant once more
+    in one process (``<name>_1proc``, ddp: false), and the first fp32 variant with fp16 gradient communication."""
+    variants = {}
+    for name, spec in params["variants"].items():
+        variants[name] = spec
+        variants[f"{name}_1proc"] = {**spec, "ddp": False}
+    fp32 = next((n for n, v in params["variants"].items() if v.get("precision") == "fp32"),
+                next(iter(params["variants"])))
+    variants[f"{fp32}_fp16comm"] = {**params["variants"][fp32], "grad_comm": "fp16"}
+    return {**merge(params, {"distributed": {"nproc_per_node": nproc}}), "variants": variants}
+
+
 def demo_params(source: Path = REPO_ROOT) -> dict:
     user = yaml.safe_load((source / "params.yaml").read_text()) or {}
     return merge(user, DEMO_OVERRIDES)

@@ -135,7 +135,8 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
 def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str | None) -> dict:
     """Tags that make one pipeline's runs easy to find and compare in the UI (filter on ampbench.pipeline)."""
     return {"stage": stage, "variant": variant, "precision": metrics.get("precision"),
-            "accum_steps": metrics.get("accum_steps"), "git_commit": metrics.get("git_commit") or git_commit(),
+            "accum_steps": metrics.get("accum_steps"), "world_size": metrics.get("world_size"),
+            "grad_comm": metrics.get("grad_comm"), "git_commit": metrics.get("git_commit") or git_commit(),
             "dvc_exp_name": os.environ.get("DVC_EXP_NAME"), "env_fingerprint": fingerprint(env_info),
             "ampbench.pipeline": pipeline}
 
