@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ampbench import data, env, measure, runner
+from ampbench import data, env, measure
 from ampbench.config import AmpConfig, MlflowConfig, ModelConfig, RunPlan, TrainConfig
+from ampbench.train import runner
 
 VARIANTS = [  # name, precision, accum_steps, allow_tf32
     ("fp32_strict", "fp32", 1, False),

@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from ampbench import config, data, models, runner
+from ampbench import config, data, models
 from ampbench.config import MlflowConfig, ModelConfig, ProfileConfig, RunPlan, TrainConfig
 from ampbench.measure import synchronize
 from ampbench.precision import DTYPES
+from ampbench.train import runner
 
 
 def recipe_loop(batches, arch: str, channels_last: bool, precision: str, device: str, warmup: int,

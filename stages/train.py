@@ -18,9 +18,10 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from ampbench import checkpoint, config, data, distributed, engine, env, results, runner
+from ampbench import config, data, env, results
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.sysmon import SystemMonitor
+from ampbench.train import checkpoint, distributed, metrics, runner
 
 
 def main() -> None:
@@ -70,7 +71,7 @@ def train(plan: config.RunPlan, args: argparse.Namespace, world: distributed.Wor
           f"{result.metrics['imgs_per_s'] or 0:.0f} img/s{procs} -> {out}")
 
 
-def save(plan: config.RunPlan, result: engine.RunResult, info: dict, out: Path, plans_dir: Path,
+def save(plan: config.RunPlan, result: metrics.RunResult, info: dict, out: Path, plans_dir: Path,
          env_path: Path) -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
     result.metrics["git_commit"] = env.git_commit()

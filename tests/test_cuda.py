@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampbench import config, data, measure, runner
+from ampbench import config, data, measure
+from ampbench.train import runner
 
 pytestmark = pytest.mark.requires_cuda
 

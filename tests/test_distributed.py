@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ampbench import config, data, distributed, models, step
+from ampbench import config, data, models, step
 from ampbench.data import DeviceBatches
-from ampbench.engine import Trainer
 from ampbench.precision import PrecisionPolicy
+from ampbench.train import distributed
+from ampbench.train.engine import Trainer
 
 WORLD = 2
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)

@@ -11,11 +11,12 @@ import pytest
 import torch
 import yaml
 
-from ampbench import config, data, models, numerics, runner, step
+from ampbench import config, data, models, numerics, step
 from ampbench.config import AmpConfig, ModelConfig
 from ampbench.errors import ConfigError
 from ampbench.precision import PrecisionPolicy
 from ampbench.sandbox import REPO_ROOT
+from ampbench.train import runner
 
 
 def test_builtin_names_match_the_config():

@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, engine, models, runner, step
+from ampbench import config, data, models, step
 from ampbench.config import AmpConfig
 from ampbench.precision import PrecisionPolicy, micro_batch_size
+from ampbench.train import engine, runner
 
 
 def test_policy_per_precision():

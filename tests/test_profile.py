@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, explain, profiling, report, results, runner, step
+from ampbench import config, data, explain, profiling, report, results, step
 from ampbench.sandbox import merge
+from ampbench.train import runner
 from tests.conftest import SHRINK
 
 

@@ -28,12 +28,13 @@ from collections.abc import Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ampbench import distributed, measure
+from ampbench import measure
 
 # Kineto, torch.profiler's tracer, prints start/stop lines and, on a machine without a GPU, an "ERROR" that the
 # GPU count is zero; none of it is a problem, so only its fatal messages reach the terminal.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 from ampbench import step as step_fn
+from ampbench.train import distributed
 
 TENSOR_CORE = "conv/matmul"
 CATEGORIES = (TENSOR_CORE, "normalization", "elementwise/activations", "softmax/reductions", "casts",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ampbench import distributed
 from ampbench.precision import PrecisionPolicy
+from ampbench.train import distributed
 
 
 def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int,

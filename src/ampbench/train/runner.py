@@ -1,6 +1,6 @@
 """Running one variant: epochs with checkpoints, Ctrl-C at a step boundary, repeats over seeds.
 
-``train(plan, data)`` returns an ``engine.RunResult``; writing it to disk is the
+``train(plan, data)`` returns a ``metrics.RunResult``; writing it to disk is the
 caller's job (see ``results.py``). With a checkpoint folder, the run saves its
 state after every epoch and on Ctrl-C, and resumes from it.
 """
@@ -17,10 +17,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ampbench import checkpoint, distributed, measure, numerics, profiling
+from ampbench import measure, numerics, profiling
 from ampbench.config import RunPlan, to_dict
-from ampbench.engine import RunResult, Trainer
 from ampbench.errors import AmpbenchError, NonFiniteTraining
+from ampbench.train import checkpoint, distributed
+from ampbench.train.engine import Trainer
+from ampbench.train.metrics import RunResult, run_result
 
 
 class TrainingInterrupted(AmpbenchError):
@@ -83,17 +85,17 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
                         else "no checkpoint folder was given, so the run cannot resume"
                     raise TrainingInterrupted(f"[{plan.variant}] interrupted at {where}: {saved}")
     except NonFiniteTraining as err:
-        err.result = trainer.result()  # completed epochs, for the stage to keep on disk
+        err.result = run_result(trainer)  # completed epochs, for the stage to keep on disk
         err.result.metrics.update(status="stopped: non-finite loss", diagnosis=trainer.diagnosis)
         raise
     except RuntimeError as err:
         if not plan.debug.detect_anomaly or "nan" not in str(err).lower():
             raise
         stopped = NonFiniteTraining(f"[{plan.variant}] torch.autograd.detect_anomaly: {str(err).splitlines()[0]}")
-        stopped.result = trainer.result()
+        stopped.result = run_result(trainer)
         stopped.result.metrics.update(status="stopped: detect_anomaly", diagnosis={"anomaly": str(err)[:2000]})
         raise stopped from None
-    result = trainer.result()
+    result = run_result(trainer)
     if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model, which writes the result
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
         result.numerics = numerics.audit(trainer.model, audit, trainer.last_scale, trainer.device.type)

@@ -14,29 +14,18 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ampbench import distributed, flops, measure, models, numerics, probes, step
+from ampbench import flops, measure, models, numerics, probes, step
 from ampbench.config import RunPlan
 from ampbench.data import DeviceBatches
 from ampbench.env import set_tf32
 from ampbench.errors import AmpbenchError, NonFiniteTraining
 from ampbench.precision import PrecisionPolicy, micro_batch_size
-
-
-@dataclass
-class RunResult:
-    metrics: dict                                      # one flat-ish dict: metrics.json
-    history: list[dict] = field(default_factory=list)  # one row per epoch
-    scale_history: list[dict] = field(default_factory=list)  # every loss-scale change: step, scale, skipped
-    step_times_ms: list[float] = field(default_factory=list)  # timed (post-warm-up) steps, end to end
-    numerics: list[dict] = field(default_factory=list)  # the fp16 audit, one row per layer
-    system: list[dict] = field(default_factory=list)    # CPU/memory/GPU samples taken while training
-    profile_trace: str = ""                             # torch.profiler's Chrome trace of the profiled steps
+from ampbench.train import distributed
 
 
 def lr_lambda(total_steps: int):
@@ -242,7 +231,8 @@ class Trainer:
             ep_images, ep_ms = self.world.reduce([ep_images], "sum", self.device)[0], \
                 self.world.reduce([ep_ms], "max", self.device)[0]
             distributed.check_agree(self.world, "the GradScaler's scale, skipped and inf/NaN-loss steps",
-                                    (self.last_scale, self.skipped, self.nonfinite_steps))
+                                    (self.last_scale, self.skipped, self.nonfinite_steps, len(self.scale_history),
+                                     self.scale_history[-1] if self.scale_history else None))
         ev = evaluate(self.model, self.test_batches, self.policy, self.world)
         self.best_acc = max(self.best_acc, ev["acc"])
         row = {"epoch": epoch + 1, "train_loss": self.mean_loss(), "eval_loss": ev["loss"],
@@ -301,63 +291,3 @@ class Trainer:
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(state["rng_cuda"])
-
-    # --- the result ----------------------------------------------------------------------------
-
-    def result(self) -> RunResult:
-        plan, device = self.plan, self.device
-        e2e_ms = self.cycle_ms
-        total_e2e, total_compute = sum(e2e_ms), sum(self.step_ms)
-        timed_images, data_ms = self.timed_images, sum(self.data_ms)
-        mem = measure.peak_memory(device)
-        if self.world.active:  # all ranks' images per wall second of the slowest rank; the largest rank's memory
-            timed_images = self.world.reduce([timed_images], "sum", device)[0]
-            total_e2e, total_compute, data_ms, *peaks = self.world.reduce(
-                [total_e2e, total_compute, data_ms, mem["peak_mem_bytes"], mem["peak_reserved_bytes"] or 0], "max",
-                device)
-            mem["peak_mem_bytes"], mem["peak_reserved_bytes"] = int(peaks[0]), int(peaks[1]) or None
-        params = list(self.model.parameters())
-        last = self.history[-1] if self.history else {"eval_acc": None, "train_loss": None, "eval_loss": None}
-        device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        ips = timed_images / (total_e2e / 1000) if total_e2e else None
-        peak_prec = flops.peak_precision(plan.precision, plan.train.allow_tf32)
-        peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
-        achieved = self.flops_per_image * ips / 1e12 if ips else None
-        metrics = {
-            "variant": plan.variant, "precision": plan.precision, "accum_steps": plan.accum_steps,
-            "micro_batch_size": self.micro, "epochs": plan.train.epochs, "batch_size": plan.train.batch_size,
-            "arch": plan.model.arch, **models.describe(self.model, plan.model), "input_size": self.input_size,
-            "num_classes": self.data_meta["num_classes"], "device": plan.device, "device_name": device_name,
-            "imgs_per_s": ips,  # end to end (data, compute, host work between steps), after warm-up
-            "compute_imgs_per_s": timed_images / (total_compute / 1000) if total_compute else None,
-            "world_size": self.world.size, "backend": self.world.backend or None,
-            "grad_comm": plan.grad_comm if self.world.active else None,
-            "imgs_per_s_per_process": ips / self.world.size if ips else None,
-            "step_time_ms": measure.summarize_ms(e2e_ms),          # end to end: what the report compares
-            "compute_time_ms": measure.summarize_ms(self.step_ms),  # forward, backward, optimizer step
-            "data_time_ms": measure.summarize_ms(self.data_ms),
-            "data_time_fraction": data_ms / total_e2e if total_e2e else None,
-            "timed_steps": len(self.step_ms), "warmup_steps": plan.train.warmup_steps,
-            "epoch_time_s": measure.percentile([r["epoch_time_s"] for r in self.history], 50) if self.history else None,
-            **mem,  # under DDP: the largest of the ranks' peaks
-            "activation_bytes": self.activation_bytes,
-            "param_bytes": measure.tensor_bytes(params),
-            "grad_bytes": measure.tensor_bytes(params),  # one fp32 gradient per parameter
-            "optimizer_state_bytes": measure.optimizer_state_bytes(self.opt),
-            "dataset_bytes": self.train_batches.nbytes + self.test_batches.nbytes,
-            "final_acc": last["eval_acc"], "best_acc": self.best_acc, "final_loss": last["train_loss"],
-            "final_eval_loss": last["eval_loss"], "final_loss_scale": self.last_scale,
-            "skipped_steps": self.skipped, "nonfinite_loss_steps": self.nonfinite_steps,
-            "optimizer_steps": self.global_step, "accum_grad_max_rel_diff": self.accum_check,
-            "train_flops_per_image": self.flops_per_image,  # forward + backward, torch.utils.flop_counter
-            "achieved_tflops": achieved, "peak_tflops_datasheet": peak, "peak_precision": peak_prec,
-            "fraction_of_peak": achieved / peak if achieved and peak else None,
-            "tf32": self.tf32, "compiled": plan.train.compile, "augment": plan.train.augment,
-            "torch": torch.__version__, "train_images": self.counts[0], "test_images": self.counts[1],
-            "data_source": self.data_meta["source"],
-        }
-        if not self.step_ms:
-            metrics["timing_note"] = (f"no step was timed: every step fell within train.warmup_steps = "
-                                      f"{plan.train.warmup_steps}")
-        return RunResult(metrics=metrics, history=self.history, scale_history=self.scale_history,
-                         step_times_ms=e2e_ms)
