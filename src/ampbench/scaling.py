@@ -34,6 +34,8 @@ def summarize(runs: dict[str, dict]) -> dict | None:
         rows.append({"variant": name, "world_size": world, "backend": m.get("backend"), "grad_comm": m.get("grad_comm"),
                      "imgs_per_s": ips, "imgs_per_s_per_process": ips / world if ips else None,
                      "single_variant": ref, "single_imgs_per_s": ref_ips,
+                     "threads": m.get("cpu_threads"),
+                     "single_threads": metrics[ref].get("cpu_threads") if ref and m.get("device") == "cpu" else None,
                      "speedup_vs_single": ips / ref_ips if ips and ref_ips else None,
                      "efficiency": ips / (world * ref_ips) if ips and ref_ips else None,
                      "exposed_comm_share": comm.get("exposed_share"),
@@ -78,12 +80,17 @@ def lines(s: dict | None) -> list[str]:
     out += ["", "img/s counts every process's images per wall second of the slowest process; peak memory in the "
             "results table is the largest process's. Scaling efficiency: that throughput over the number of "
             "processes times the throughput of the variant with the same precision and accumulation that trained "
-            "in one process (`ddp: false`) here; 100% is perfect scaling. The step time waiting on the all-reduce "
-            "is measured after training: the same DDP steps timed with and without their gradient all-reduce "
-            "(`no_sync`), slowest process each; the all-reduce that overlaps the backward pass costs nothing there. "
-            "With accumulation, micro-batches but the last of each step run under `no_sync`: one all-reduce per "
-            "optimizer step. Evaluation is sharded over the processes (rank 0's BatchNorm statistics), its sums "
-            "all-reduced.", ""]
+            "in one process (`ddp: false`) here, with one process's share of the machine (one GPU; on a CPU, the "
+            "threads torchrun gives each process); 100% is perfect scaling. The step time waiting on the "
+            "all-reduce is measured after training: the same DDP steps timed with and without their gradient "
+            "all-reduce (`no_sync`), slowest process each; the all-reduce that overlaps the backward pass costs "
+            "nothing there. With accumulation, micro-batches but the last of each step run under `no_sync`: one "
+            "all-reduce per optimizer step. Evaluation is sharded over the processes (rank 0's BatchNorm "
+            "statistics), its sums all-reduced.", ""]
+    threads = [f"`{r['variant']}` {r['threads']} per process, `{r['single_variant']}` {r['single_threads']}"
+               for r in s["rows"] if r.get("single_threads")]
+    if threads:
+        out += ["CPU threads: " + "; ".join(threads) + ".", ""]
     missing = [r["variant"] for r in s["rows"] if not r["speedup_vs_single"]]
     if missing:
         out += [f"No one-process run of the same precision and accumulation as {', '.join(missing)} ran here, so "

@@ -51,7 +51,7 @@ def run_result(t) -> RunResult:
         "num_classes": t.data_meta["num_classes"], "device": plan.device, "device_name": device_name,
         "imgs_per_s": ips,  # end to end (data, compute, host work between steps), after warm-up
         "compute_imgs_per_s": timed_images / (total_compute / 1000) if total_compute else None,
-        "world_size": t.world.size, "backend": t.world.backend or None,
+        "world_size": t.world.size, "backend": t.world.backend or None, "cpu_threads": torch.get_num_threads(),
         "grad_comm": plan.grad_comm if t.world.active else None,
         "imgs_per_s_per_process": ips / t.world.size if ips else None,
         "step_time_ms": measure.summarize_ms(e2e_ms),          # end to end: what the report compares
