@@ -87,10 +87,10 @@ def lines(s: dict | None) -> list[str]:
             "nothing there. With accumulation, micro-batches but the last of each step run under `no_sync`: one "
             "all-reduce per optimizer step. Evaluation is sharded over the processes (rank 0's BatchNorm "
             "statistics), its sums all-reduced.", ""]
-    threads = [f"`{r['variant']}` {r['threads']} per process, `{r['single_variant']}` {r['single_threads']}"
-               for r in s["rows"] if r.get("single_threads")]
+    threads = sorted({(r["threads"], r["single_threads"]) for r in s["rows"] if r.get("single_threads")})
     if threads:
-        out += ["CPU threads: " + "; ".join(threads) + ".", ""]
+        out += ["CPU threads: " + "; ".join(f"{a} per DDP process, {b} in the one-process run" for a, b in threads)
+                + ".", ""]
     missing = [r["variant"] for r in s["rows"] if not r["speedup_vs_single"]]
     if missing:
         out += [f"No one-process run of the same precision and accumulation as {', '.join(missing)} ran here, so "
