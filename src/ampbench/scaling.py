@@ -30,7 +30,9 @@ def summarize(runs: dict[str, dict]) -> dict | None:
             continue
         ips, ref = m.get("imgs_per_s"), single.get(_key(m))
         ref_ips = metrics[ref]["imgs_per_s"] if ref else None
-        comm = (m.get("profile") or {}).get("communication") or {}
+        profile = m.get("profile") or {}
+        comm = profile.get("communication") or {}
+        comm_ms = ((profile.get("categories") or {}).get("communication") or {}).get("ms_per_step")
         rows.append({"variant": name, "world_size": world, "backend": m.get("backend"), "grad_comm": m.get("grad_comm"),
                      "imgs_per_s": ips, "imgs_per_s_per_process": ips / world if ips else None,
                      "single_variant": ref, "single_imgs_per_s": ref_ips,
@@ -38,7 +40,7 @@ def summarize(runs: dict[str, dict]) -> dict | None:
                      "single_threads": metrics[ref].get("cpu_threads") if ref and m.get("device") == "cpu" else None,
                      "speedup_vs_single": ips / ref_ips if ips and ref_ips else None,
                      "efficiency": ips / (world * ref_ips) if ips and ref_ips else None,
-                     "exposed_comm_share": comm.get("exposed_share"),
+                     "exposed_comm_share": comm.get("exposed_share"), "comm_ms_per_step": comm_ms,
                      "peak_mem_bytes": m.get("peak_mem_bytes"), "final_acc": m.get("final_acc")})
     for row in rows:
         if row["grad_comm"] in (None, "none"):
@@ -62,21 +64,26 @@ def _pct(v) -> str:
     return "n/a" if v is None else f"{v:.0%}"
 
 
+def _ms(v) -> str:
+    return "n/a" if v is None else f"{v:.3g} ms"
+
+
 def lines(s: dict | None) -> list[str]:
     """The report's section, or nothing when every variant ran in one process."""
     if not s:
         return []
     out = ["## Past one process: data-parallel training (DDP)", "",
            "| variant | processes | backend | gradients sent as | img/s, all processes | img/s per process "
-           "| against one process | scaling efficiency | step time waiting on the all-reduce |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "| against one process | scaling efficiency | all-reduce per step (profile) "
+           "| step time waiting on the all-reduce |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
         against = (f"{r['speedup_vs_single']:.2f}x `{r['single_variant']}`" if r["speedup_vs_single"]
                    else "no one-process run")
         comm = {"none": "fp32", None: "fp32"}.get(r["grad_comm"], r["grad_comm"])
         out.append(f"| {r['variant']} | {r['world_size']} | {r['backend']} | {comm} | {r['imgs_per_s'] or 0:,.0f} "
                    f"| {r['imgs_per_s_per_process'] or 0:,.0f} | {against} | {_pct(r['efficiency'])} "
-                   f"| {_pct(r['exposed_comm_share'])} |")
+                   f"| {_ms(r['comm_ms_per_step'])} | {_pct(r['exposed_comm_share'])} |")
     out += ["", "img/s counts every process's images per wall second of the slowest process; peak memory in the "
             "results table is the largest process's. Scaling efficiency: that throughput over the number of "
             "processes times the throughput of the variant with the same precision and accumulation that trained "
@@ -86,7 +93,8 @@ def lines(s: dict | None) -> list[str]:
             "all-reduce (`no_sync`), slowest process each; the all-reduce that overlaps the backward pass costs "
             "nothing there. With accumulation, micro-batches but the last of each step run under `no_sync`: one "
             "all-reduce per optimizer step. Evaluation is sharded over the processes (rank 0's BatchNorm "
-            "statistics), its sums all-reduced.", ""]
+            "statistics), its sums all-reduced. All-reduce per step is the time of the communication ops in the step "
+            "profile (on a CPU their own time in gloo, much of it overlapping the backward pass).", ""]
     threads = sorted({(r["threads"], r["single_threads"]) for r in s["rows"] if r.get("single_threads")})
     if threads:
         out += ["CPU threads: " + "; ".join(f"{a} per DDP process, {b} in the one-process run" for a, b in threads)

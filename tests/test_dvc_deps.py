@@ -1,0 +1,65 @@
+"""Every ampbench module a stage script reaches is a dependency of its DVC stage, so editing it reruns the stage.
+
+The imports are read from the source (function-level ones too), and followed from module to module.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ampbench.sandbox import REPO_ROOT
+
+STAGES = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
+SRC = REPO_ROOT / "src"
+# Modules that change no output DVC tracks: the version, error messages and exit codes, MLflow logging.
+EXEMPT = {"src/ampbench/__init__.py", "src/ampbench/errors.py", "src/ampbench/tracking.py"}
+
+
+def _file(module: str) -> Path | None:
+    base = SRC / Path(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imports(path: Path) -> set[Path]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            if name.split(".")[0] == "ampbench" and (f := _file(name)):
+                out.add(f)
+                parts = name.split(".")
+                out |= {f for i in range(1, len(parts)) if (f := _file(".".join(parts[:i])))}  # packages on the way
+    return out
+
+
+def reached(script: Path) -> set[str]:
+    seen, todo = set(), [script]
+    while todo:
+        for f in _imports(todo.pop()):
+            if f not in seen and f.relative_to(REPO_ROOT).as_posix() not in EXEMPT:  # not followed either
+                seen.add(f)
+                todo.append(f)
+    return {f.relative_to(REPO_ROOT).as_posix() for f in seen}
+
+
+@pytest.mark.parametrize("name", list(STAGES))
+def test_a_stage_depends_on_every_ampbench_module_its_script_reaches(name):
+    stage = STAGES[name].get("do", STAGES[name])
+    script = REPO_ROOT / re.search(r"stages/\w+\.py", stage["cmd"]).group(0)
+    deps = [d.rstrip("/") for d in stage["deps"] if d.startswith("src/")]
+    files = reached(script) - EXEMPT
+    assert len(files) >= 3  # the walk found the stage's library
+    missing = sorted(f for f in files if not any(f == d or f.startswith(d + "/") for d in deps))
+    assert not missing, f"{name} reaches {missing} but dvc.yaml does not list them under its deps"
