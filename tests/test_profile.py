@@ -33,6 +33,13 @@ from tests.conftest import SHRINK
     ("aten::_amp_update_scale_", [], "loss scaling"),
     ("aten::index_select", ["ampbench::data"], "data preparation"),
     ("aten::empty", [], "other"),
+    ("gloo:all_reduce", [], "communication"),
+    ("nccl:all_reduce", ["DistributedDataParallel.forward"], "communication"),
+    ("c10d::allreduce_", [], "communication"),
+    ("c10d::broadcast_", ["DistributedDataParallel.forward"], "communication"),
+    ("record_param_comms", [], "communication"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", [], "communication"),
+    ("aten::broadcast_tensors", [], "other"),  # not a collective, whatever its name
 ])
 def test_ops_fall_into_their_category(name, scopes, category):
     assert profiling.categorize(name, scopes) == category

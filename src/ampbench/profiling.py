@@ -43,8 +43,9 @@ DATA_SCOPE = "ampbench::data"
 WARMUP = 2  # profiled steps thrown away before the ones that count
 # Op-name patterns, matched against the name lower-cased with "_" removed (aten::native_batch_norm -> nativebatchnorm).
 _PATTERNS = [
-    ("communication", r"allreduce|allgather|broadcast|reducescatter|^nccl|gloo|recordparamcomms|ncclkernel"
-                      r"|nccldevkernel"),
+    # gloo:all_reduce, nccl:all_reduce, c10d::allreduce_, record_param_comms, ncclDevKernel_AllReduce_... kernels
+    ("communication", r"^(gloo|nccl|mpi):|^nccl(dev)?kernel|^allreduce|^allgather|^reducescatter|^broadcast$"
+                      r"|^barrier$|^recordparamcomms"),
     ("loss scaling", r"^amp"),  # _amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_
     (TENSOR_CORE, r"conv|addmm|^mm$|^mmbackward|bmm|matmul|^linear|scaleddotproduct|attention|^einsum"),
     ("normalization", r"batchnorm|layernorm|groupnorm|instancenorm|rmsnorm"),
