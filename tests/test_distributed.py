@@ -312,3 +312,41 @@ def test_distributed_settings_a_gpu_machine_cannot_run_are_refused(changes, info
     for word in words:
         assert word in str(err.value)
     env.check_distributed(config.DistributedConfig(), "cuda", {"cpu_count": 16, **info}, {"none"})  # the defaults run
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(ddp_pipeline, tmp_path):
+    """SIGINT to torchrun, as a terminal's Ctrl-C: torchrun passes it on, the ranks agree on the step to stop
+    after, rank 0 saves it, and the rerun resumes mid-epoch to the uninterrupted run's history."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ampbench import sandbox
+    reference, _ = ddp_pipeline
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(WORLD), "stages/train.py",
+           "--plan", "reports/plans/fp32.json", "--data", "data/prepared", "--env", "reports/env.json",
+           "--out", str(tmp_path / "out"), "--checkpoints", str(tmp_path / "ckpt")]
+    proc = subprocess.Popen(cmd, cwd=reference, env=sandbox.env_with_venv(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    ckpt = tmp_path / "ckpt" / "repeat1" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists():  # the end of epoch 1
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-2000:]
+    assert "Ctrl-C: stopping at the ranks' next sync" in out
+    stopped = [line for line in (out + err).splitlines() if "[fp32] interrupted at epoch" in line]
+    assert len(stopped) == WORLD, out[-2000:] + err[-2000:]  # every rank, at the same step
+    assert len({line.split("interrupted at ")[1] for line in stopped}) == 1
+    assert not (tmp_path / "out" / "metrics.json").exists()
+    again = subprocess.run(cmd, cwd=reference, env=sandbox.env_with_venv(), capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
+    rows = (tmp_path / "out" / "history.csv").read_text().splitlines()
+    assert [r.split(",")[:5] for r in rows] == _history(reference, "fp32")

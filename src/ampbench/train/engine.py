@@ -133,7 +133,8 @@ class Trainer:
         self.timed_images = 0
         # Not checkpointed: warm-up is counted per process, since a resumed process starts cold.
         self.process_steps = 0
-        self.stop_requested = False
+        self.stop_requested = False  # Ctrl-C seen by this process
+        self.stop_agreed = False     # under DDP: Ctrl-C seen by some rank, as of the last sync
         self.t_start = time.perf_counter()
 
     # --- one optimizer step ------------------------------------------------------------------
@@ -199,7 +200,7 @@ class Trainer:
         bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, disable=not self.progress, unit="step",
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
         with measure.wall_clock(self.device) as clock:
-            while self.step_in_epoch < self.steps_per_epoch and not self.stop_requested:
+            while self.step_in_epoch < self.steps_per_epoch and not self.stop_now():
                 if timed:
                     cycle_timer.stop()
                 cycle_timer.start()
@@ -250,9 +251,18 @@ class Trainer:
                        f"eval acc {ev['acc']:.4f}, {ips}, {clock['s']:.1f}s, ETA {eta:.0f}s")
         return row
 
+    def stop_now(self) -> bool:
+        """Stop after this step (Ctrl-C): at once in one process; under DDP once the ranks agree on it."""
+        return self.stop_agreed if self.world.active else self.stop_requested
+
     def mean_loss(self) -> float:
-        """This epoch's mean training loss so far, over all ranks (one sync)."""
-        total, seen = self.world.reduce([self.loss_sum.item(), self.seen], device=self.device)
+        """This epoch's mean training loss so far, over all ranks (one sync, every 25 steps).
+
+        Under DDP the same all-reduce carries whether any rank has seen Ctrl-C, so all stop after the same step.
+        """
+        total, seen, stop = self.world.reduce([self.loss_sum.item(), self.seen, float(self.stop_requested)],
+                                              device=self.device)
+        self.stop_agreed = stop > 0
         return total / max(1, seen)
 
     def _collect_times(self, step_ms, data_ms, cycle_ms, timed, sizes) -> tuple[int, float]:
@@ -272,9 +282,14 @@ class Trainer:
                 "consecutive_nonfinite")
 
     def state_dict(self) -> dict:
+        """The whole training state; under DDP every rank calls it (the epoch's loss and image counts are summed
+        over the ranks, and resume on rank 0), and rank 0 writes it."""
         state = {k: getattr(self, k) for k in self._SCALARS}
+        loss_sum, state["seen"], state["timed_images"] = self.world.reduce(
+            [self.loss_sum.item(), self.seen, self.timed_images], device=self.device)
+        state["seen"], state["timed_images"] = int(state["seen"]), int(state["timed_images"])
         state.update(model=self.model.state_dict(), opt=self.opt.state_dict(), sched=self.sched.state_dict(),
-                     scaler=self.scaler.state_dict(), loss_sum=self.loss_sum.item(),
+                     scaler=self.scaler.state_dict(), loss_sum=loss_sum,
                      rng_cpu=torch.get_rng_state(),
                      rng_cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
         return state
@@ -288,6 +303,9 @@ class Trainer:
         if state["scaler"]:
             self.scaler.load_state_dict(state["scaler"])
         self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
+        if not self.world.main:  # the sums over the ranks resume on rank 0 alone
+            self.loss_sum.zero_()
+            self.seen = self.timed_images = 0
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(state["rng_cuda"])

@@ -35,10 +35,10 @@ class TrainingInterrupted(AmpbenchError):
 def stop_on_sigint(trainer: Trainer):
     """First Ctrl-C: finish the current step, then stop; a second one interrupts at once.
 
-    Under torchrun (a world of several ranks) Ctrl-C stops at once: the ranks could not agree on which step to
-    stop after without a collective every step, and the last epoch's checkpoint is the resume point.
+    Under torchrun, which passes Ctrl-C on to every rank (and kills them after its 30 s grace), the ranks stop
+    after the same step: the next one at which they sync the loss (every 25 steps, and at the epoch's end).
     """
-    if threading.current_thread() is not threading.main_thread() or trainer.world.active:
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
 
@@ -46,7 +46,9 @@ def stop_on_sigint(trainer: Trainer):
         if trainer.stop_requested:
             raise KeyboardInterrupt
         trainer.stop_requested = True
-        tqdm.write("Ctrl-C: stopping after this step and saving a checkpoint (press again to abort)")
+        if trainer.world.main:
+            when = "at the ranks' next sync (at most 25 steps)" if trainer.world.active else "after this step"
+            tqdm.write(f"Ctrl-C: stopping {when} and saving a checkpoint (press again to abort)")
 
     previous = signal.signal(signal.SIGINT, handler)
     try:
@@ -77,9 +79,11 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
         with stop_on_sigint(trainer), torch.autograd.set_detect_anomaly(plan.debug.detect_anomaly):
             while trainer.epoch < plan.train.epochs:
                 trainer.run_epoch()
-                if checkpoint_dir is not None and world.main:
-                    checkpoint.save(checkpoint_dir, {**trainer.state_dict(), "fingerprint": fp})
-                if trainer.stop_requested:
+                if checkpoint_dir is not None:
+                    state = trainer.state_dict()  # on every rank: it sums over them
+                    if world.main:
+                        checkpoint.save(checkpoint_dir, {**state, "fingerprint": fp})
+                if trainer.stop_now():
                     where = f"epoch {trainer.epoch + 1}, step {trainer.step_in_epoch}"
                     saved = f"checkpoint saved in {checkpoint_dir}; run `dvc repro` to resume" if checkpoint_dir \
                         else "no checkpoint folder was given, so the run cannot resume"
