@@ -350,3 +350,22 @@ def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(ddp
     assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
     rows = (tmp_path / "out" / "history.csv").read_text().splitlines()
     assert [r.split(",")[:5] for r in rows] == _history(reference, "fp32")
+
+
+def _agree_worker(rank: int, port: int, folder: str) -> None:
+    from ampbench.errors import AmpbenchError
+    world = _join(rank, port)
+    distributed.check_agree(world, "the scale", 8192.0)  # the same everywhere: no error
+    try:  # e.g. rank 1's machine has no checkpoint (no shared file system) while rank 0 resumes from epoch 2
+        distributed.check_agree(world, "the checkpoint to resume from", (2, 64) if rank == 0 else None)
+        outcome = "agreed"
+    except AmpbenchError as err:
+        outcome = str(err)
+    (Path(folder) / f"rank{rank}.txt").write_text(outcome)
+    distributed.shutdown()
+
+
+def test_ranks_that_disagree_stop_together_with_a_message(tmp_path):
+    _spawn(_agree_worker, str(tmp_path))
+    outcomes = {(tmp_path / f"rank{r}.txt").read_text() for r in range(WORLD)}
+    assert outcomes == {"the ranks disagree on the checkpoint to resume from: rank 0: (2, 64), rank 1: None"}
