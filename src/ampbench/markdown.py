@@ -285,7 +285,8 @@ def render(summary: dict, env: dict, runs: dict[str, dict], figures: list[str], 
     base = summary["baseline"]
     first = next(iter(runs.values()))["metrics"] if runs else {}
     lines = ["# ampbench report: what FP16 mixed precision bought here", "",
-             verdict(summary, env) + sweepreport.sentence(summary.get("sweep")), ""]
+             verdict(summary, env) + sweepreport.sentence(summary.get("sweep"))
+             + scaling.sentence(summary.get("scaling")), ""]
     if first:
         lines += [f"{model_line(first)}.", ""]
     lines += ["## Results (measured in this run)", ""] + results_table(summary) + [""]

@@ -60,6 +60,18 @@ def summarize(runs: dict[str, dict]) -> dict | None:
     return {"rows": rows, "grad_comm": comms}
 
 
+def sentence(s: dict | None) -> str:
+    """The verdict's sentence: how each DDP variant scaled against its one-process run."""
+    if not s:
+        return ""
+    parts = [f"{r['variant']} ran {r['speedup_vs_single']:.2f}x as fast as in one process, "
+             f"{r['efficiency']:.0%} scaling efficiency" for r in s["rows"] if r["efficiency"]]
+    if not parts:
+        return ""
+    world, backend = s["rows"][0]["world_size"], s["rows"][0]["backend"]
+    return f" Data-parallel over {world} processes ({backend}): {'; '.join(parts)}."
+
+
 def _pct(v) -> str:
     return "n/a" if v is None else f"{v:.0%}"
 
