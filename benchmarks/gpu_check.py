@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from ampbench import data, env, measure
-from ampbench.config import AmpConfig, MlflowConfig, ModelConfig, RunPlan, TrainConfig
+from ampbench.config import AmpConfig, MlflowConfig, ModelConfig, TrainConfig
+from ampbench.runplan import RunPlan
 from ampbench.train import runner
 
 VARIANTS = [  # name, precision, accum_steps, allow_tf32

@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ampbench import config, data, models
-from ampbench.config import MlflowConfig, ModelConfig, ProfileConfig, RunPlan, TrainConfig
+from ampbench.config import MlflowConfig, ModelConfig, ProfileConfig, TrainConfig
 from ampbench.measure import synchronize
 from ampbench.precision import DTYPES
+from ampbench.runplan import RunPlan
 from ampbench.train import runner
 
 

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from ampbench import config, data, env, models
+from ampbench import config, data, env, models, runplan
 from ampbench.errors import run_cli
 from ampbench.results import atomic_write
 
@@ -29,14 +29,13 @@ def main() -> None:
     cfg = config.load(args.params)  # every check happens before anything is written
     info = env.probe()
     device = env.resolve_device(cfg.device, info, {v.precision for v in cfg.variants.values()})
-    ddp_comms = {v.grad_comm or cfg.distributed.grad_comm for v in cfg.variants.values() if v.ddp}
-    env.check_distributed(cfg.distributed, device, info, ddp_comms)
     desc = data.describe(cfg.data)
     env.check_fits(data.resident_bytes(desc, cfg.train.augment), desc, device, info)
     model = models.check(cfg.model, num_classes=desc["num_classes"],
                          image_size=models.input_size(cfg.model, desc["image_size"]))
     source = models.source_hash(cfg.model)
-    plans = {name: config.make_plan(cfg, name, device, source) for name in cfg.variants}
+    plans = {name: runplan.make_plan(cfg, name, device, source) for name in cfg.variants}
+    env.check_distributed(cfg.distributed, device, info, {p.grad_comm for p in plans.values() if p.ddp})
     for warning in env.warnings_for(info):
         print(f"warning: {warning}")
     if cfg.mlflow.enabled:
@@ -62,7 +61,7 @@ def main() -> None:
         if stale.stem not in plans:
             stale.unlink()
     for name, plan in plans.items():
-        config.write_plan(plan, plan_dir / f"{name}.json")
+        runplan.write_plan(plan, plan_dir / f"{name}.json")
 
 
 if __name__ == "__main__":

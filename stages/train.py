@@ -18,7 +18,7 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
-from ampbench import config, data, env, results
+from ampbench import config, data, env, results, runplan
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.sysmon import SystemMonitor
 from ampbench.train import checkpoint, distributed, metrics, runner
@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--checkpoints", required=True, help="folder for this variant's checkpoints (DVC persist)")
     args = ap.parse_args()
 
-    plan = config.read_plan(args.plan)
+    plan = runplan.read_plan(args.plan)
     distributed.exit_with_launcher()
     launch = distributed.launched()
     if not plan.ddp and launch.size > 1:
@@ -48,7 +48,7 @@ def main() -> None:
         distributed.shutdown()
 
 
-def train(plan: config.RunPlan, args: argparse.Namespace, world: distributed.World) -> None:
+def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.World) -> None:
     info = json.loads(Path(args.env).read_text())
     prepared = data.load_prepared(Path(args.data), plan.device)
     out = Path(args.out)
@@ -71,7 +71,7 @@ def train(plan: config.RunPlan, args: argparse.Namespace, world: distributed.Wor
           f"{result.metrics['imgs_per_s'] or 0:.0f} img/s{procs} -> {out}")
 
 
-def save(plan: config.RunPlan, result: metrics.RunResult, info: dict, out: Path, plans_dir: Path,
+def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path, plans_dir: Path,
          env_path: Path) -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
     result.metrics["git_commit"] = env.git_commit()

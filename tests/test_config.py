@@ -6,7 +6,7 @@ import copy
 
 import pytest
 
-from ampbench import config
+from ampbench import config, runplan
 from ampbench.errors import ConfigError
 
 
@@ -126,11 +126,11 @@ def test_empty_and_broken_files(tmp_path):
 
 def test_plan_holds_only_what_the_variant_reads(real_params, tmp_path):
     cfg = config.from_dict(real_params)
-    fp32, amp = config.make_plan(cfg, "fp32", "cpu"), config.make_plan(cfg, "amp", "cpu")
+    fp32, amp = runplan.make_plan(cfg, "fp32", "cpu"), runplan.make_plan(cfg, "amp", "cpu")
     assert fp32.amp is None and amp.amp == cfg.amp
-    config.write_plan(amp, tmp_path / "amp.json")
-    assert config.read_plan(tmp_path / "amp.json") == amp
+    runplan.write_plan(amp, tmp_path / "amp.json")
+    assert runplan.read_plan(tmp_path / "amp.json") == amp
     real_params["amp"]["init_scale"] = 1024
     cfg2 = config.from_dict(real_params)
-    assert config.make_plan(cfg2, "fp32", "cpu") == fp32  # fp32's plan, and so its stage, does not change
-    assert config.make_plan(cfg2, "amp", "cpu") != amp
+    assert runplan.make_plan(cfg2, "fp32", "cpu") == fp32  # fp32's plan, and so its stage, does not change
+    assert runplan.make_plan(cfg2, "amp", "cpu") != amp

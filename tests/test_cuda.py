@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampbench import config, data, measure
+from ampbench import config, data, measure, runplan
 from ampbench.train import runner
 
 pytestmark = pytest.mark.requires_cuda
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.requires_cuda
 def test_one_epoch_on_cuda(tiny_params, variant):
     tiny_params["device"] = "cuda"
     tiny_params["variants"]["bf16"] = {"precision": "bf16", "accum_steps": 1}
-    plan = config.make_plan(config.from_dict(tiny_params), variant, "cuda")
+    plan = runplan.make_plan(config.from_dict(tiny_params), variant, "cuda")
     prepared = data.synthetic_in_memory(128, 64, seed=0, device="cuda")
     m = runner.train(plan, prepared, progress=False).metrics
     assert m["mem_meter"] == "cuda_max_memory_allocated"

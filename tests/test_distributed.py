@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ampbench import config, data, models, step
+from ampbench import config, data, models, runplan, step
 from ampbench.data import DeviceBatches
 from ampbench.precision import PrecisionPolicy
 from ampbench.train import distributed
@@ -138,7 +138,7 @@ def _inf_worker(rank: int, port: int, folder: str) -> None:
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
                             "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 0},
                             "distributed": {"nproc_per_node": WORLD}})
-    plan = config.make_plan(cfg, "amp", "cpu")
+    plan = runplan.make_plan(cfg, "amp", "cpu")
     prepared = data.load_prepared(Path(folder) / "prepared", "cpu")
     trainer = Trainer(plan, prepared, progress=False, world=world)
     batches = trainer.train_batches.epoch(0)
@@ -171,18 +171,18 @@ def test_ddp_false_and_grad_comm_reach_the_plan():
     cfg = config.from_dict({"distributed": {"nproc_per_node": 2, "grad_comm": "bf16"},
                             "variants": {"a": {"precision": "fp16"}, "b": {"precision": "fp16", "ddp": False},
                                          "c": {"precision": "fp16", "grad_comm": "fp16"}}})
-    plans = {n: config.make_plan(cfg, n, "cuda") for n in cfg.variants}
+    plans = {n: runplan.make_plan(cfg, n, "cuda") for n in cfg.variants}
     assert [(p.ddp, p.grad_comm, p.backend) for p in plans.values()] == [
         (True, "bf16", "nccl"), (False, "bf16", "nccl"), (True, "fp16", "nccl")]
     assert config.variant_world(cfg, "b") == 1 and config.variant_world(cfg, "a") == 2
-    round_trip = config.read_plan(_write(plans["c"]))
+    round_trip = runplan.read_plan(_write(plans["c"]))
     assert round_trip == plans["c"]
 
 
 def _write(plan) -> Path:
     import tempfile
     path = Path(tempfile.mkdtemp()) / "plan.json"
-    config.write_plan(plan, path)
+    runplan.write_plan(plan, path)
     return path
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import yaml
 
-from ampbench import config, data, models, numerics, step
+from ampbench import config, data, models, numerics, runplan, step
 from ampbench.config import AmpConfig, ModelConfig
 from ampbench.errors import ConfigError
 from ampbench.precision import PrecisionPolicy
@@ -162,7 +162,7 @@ def test_training_a_torchvision_model_at_a_larger_input(tmp_path, tiny_params):
     cfg = config.from_dict(tiny_params)
     data.prepare(cfg.data, 0, tmp_path / "p", tmp_path / "raw")
     prepared = data.load_prepared(tmp_path / "p", "cpu")
-    result = runner.train(config.make_plan(cfg, "amp", "cpu"), prepared, progress=False)
+    result = runner.train(runplan.make_plan(cfg, "amp", "cpu"), prepared, progress=False)
     m = result.metrics
     assert m["model"] == "tv:resnet18" and m["input_size"] == 48 and m["num_classes"] == 10
     assert m["param_count"] == sum(p.numel() for p in models.build(cfg.model, num_classes=10, image_size=48,

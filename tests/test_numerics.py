@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, models, numerics, step
+from ampbench import config, data, models, numerics, runplan, step
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.sandbox import REPO_ROOT
 from ampbench.train import runner
@@ -64,7 +64,7 @@ def _plan(variant="amp", precision="fp16", **extra):
            "variants": {variant: {"precision": precision, "accum_steps": 1}}}
     for key, value in extra.items():
         raw[key] = {**raw.get(key, {}), **value}
-    return config.make_plan(config.from_dict(raw), variant, "cpu")
+    return runplan.make_plan(config.from_dict(raw), variant, "cpu")
 
 
 def test_overflowing_step_is_skipped_with_weights_unchanged(tiny, monkeypatch):
@@ -112,7 +112,7 @@ def test_detect_anomaly_reports_the_failing_op(tiny, monkeypatch):
 
 def test_stage_exits_3_and_keeps_completed_epochs(tiny, tmp_path, monkeypatch, capsys):
     out, ckpt = tmp_path / "runs" / "amp", tmp_path / "ckpt"
-    config.write_plan(_plan(mlflow={"enabled": False}), tmp_path / "amp.json")
+    runplan.write_plan(_plan(mlflow={"enabled": False}), tmp_path / "amp.json")
     data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, tmp_path / "p", tmp_path / "r")
     (tmp_path / "env.json").write_text(json.dumps({"torch": "x", "cuda_runtime": None, "gpu": None,
                                                    "cpu_model": "cpu"}))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, models, step
+from ampbench import config, data, models, runplan, step
 from ampbench.config import AmpConfig
 from ampbench.precision import PrecisionPolicy, micro_batch_size
 from ampbench.train import engine, runner
@@ -57,7 +57,7 @@ def test_accumulated_gradients_equal_the_full_batch(n):
 
 def _plan(tiny_params, variant, **train):
     tiny_params["train"].update(train)
-    return config.make_plan(config.from_dict(tiny_params), variant, "cpu")
+    return runplan.make_plan(config.from_dict(tiny_params), variant, "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, explain, profiling, report, results, step
+from ampbench import config, data, explain, profiling, report, results, runplan, step
 from ampbench.sandbox import merge
 from ampbench.train import runner
 from tests.conftest import SHRINK
@@ -62,7 +62,7 @@ def _plan(variant: str, steps: int = 2, **model):
     params = merge(config.to_dict(config.Config()), SHRINK)
     params["model"] = {**params["model"], **model}
     params["profile"] = {"steps": steps}
-    return config.make_plan(config.from_dict(params), variant, "cpu")
+    return runplan.make_plan(config.from_dict(params), variant, "cpu")
 
 
 def test_profile_of_a_known_op_mix(tiny):

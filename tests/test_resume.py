@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from ampbench import config, data
+from ampbench import config, data, runplan
 from ampbench.sandbox import REPO_ROOT
 
 pytestmark = pytest.mark.slow
@@ -30,7 +30,7 @@ def _plan(root: Path, name: str, lr: float = 0.1) -> Path:
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
                             "train": {"epochs": 4, "batch_size": 64, "warmup_steps": 2, "lr": lr}})
     path = root / f"{name}.json"
-    config.write_plan(config.make_plan(cfg, "fp32", "cpu"), path)
+    runplan.write_plan(runplan.make_plan(cfg, "fp32", "cpu"), path)
     return path
 
 

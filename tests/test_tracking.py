@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ampbench import config, data, env
+from ampbench import config, data, env, runplan
 from ampbench.sandbox import REPO_ROOT, env_with_venv
 
 
@@ -56,7 +56,7 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"},
                             "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 1},
                             "variants": {"fp32": {"precision": "fp32", "accum_steps": 1}}})
-    config.write_plan(config.make_plan(cfg, "fp32", "cpu"), reports / "plans" / "fp32.json")
+    runplan.write_plan(runplan.make_plan(cfg, "fp32", "cpu"), reports / "plans" / "fp32.json")
     (reports / "env.json").write_text(json.dumps(env.probe()))
     (repo / "params.yaml").write_text("device: cpu\nvariants: {fp32: {precision: fp32, accum_steps: 1}}\n")
     environ = {**env_with_venv(), "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{_free_port()}"}

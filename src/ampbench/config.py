@@ -8,7 +8,6 @@ allowed. Integers are accepted where floats are expected.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 import typing
@@ -253,7 +252,7 @@ def _cross_check(cfg: Config) -> None:
             raise ConfigError(
                 f"params.yaml: variants.{name}.accum_steps = {v.accum_steps} does not divide "
                 f"train.batch_size = {cfg.train.batch_size}; choose a divisor of the batch size, e.g. 1, 2 or 4")
-        world = nproc if v.ddp else 1
+        world = variant_world(cfg, name)
         if world > 1 and cfg.train.batch_size % (world * v.accum_steps):
             raise ConfigError(
                 f"params.yaml: train.batch_size = {cfg.train.batch_size} does not split into "
@@ -336,33 +335,6 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-# --- the run plan: what one train stage reads ---------------------------------------------
-
-@dataclass(frozen=True)
-class RunPlan:
-    """Everything one ``train@<variant>`` stage reads, and nothing else.
-
-    env_check writes one plan file per variant; a train stage depends on its own
-    file, so editing ``amp.init_scale`` changes (and reruns) only the fp16 plans.
-    """
-
-    variant: str
-    precision: str
-    accum_steps: int
-    device: str                   # resolved: cuda or cpu
-    seed: int
-    model: ModelConfig
-    train: TrainConfig
-    amp: AmpConfig | None         # None unless precision is fp16 (no GradScaler otherwise)
-    mlflow: MlflowConfig
-    debug: DebugConfig = field(default_factory=DebugConfig)
-    profile: ProfileConfig = field(default_factory=ProfileConfig)
-    model_source: str = ""        # hash of model.factory's source: editing it reruns the train stages
-    ddp: bool = True              # train on every process torchrun starts (false: rank 0 alone)
-    backend: str = "gloo"         # resolved process-group backend: nccl or gloo
-    grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
-
-
 def variant_world(cfg: Config, variant: str) -> int:
     """Processes per machine the variant trains in: distributed.nproc_per_node, or 1 with ddp: false."""
     return cfg.distributed.nproc_per_node if cfg.variants[variant].ddp else 1
@@ -373,36 +345,3 @@ def resolve_backend(cfg: DistributedConfig, device: str) -> str:
     if cfg.backend != "auto":
         return cfg.backend
     return "nccl" if device == "cuda" else "gloo"
-
-
-def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") -> RunPlan:
-    if variant not in cfg.variants:
-        raise ConfigError(f"variant {variant!r} is not in params.yaml variants; "
-                          f"defined: {', '.join(cfg.variants)}")
-    v = cfg.variants[variant]
-    train = dataclasses.replace(cfg.train, target_acc=0.0)  # read by the report only: not a reason to retrain
-    return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
-                   seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
-                   amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug,
-                   model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
-                   grad_comm=v.grad_comm or cfg.distributed.grad_comm)
-
-
-def write_plan(plan: RunPlan, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_dict(plan), indent=2, sort_keys=True) + "\n")
-
-
-def read_plan(path: str | Path) -> RunPlan:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no run plan; run the env_check stage first (dvc repro)")
-    raw = json.loads(path.read_text())
-    return RunPlan(
-        variant=raw["variant"], precision=raw["precision"], accum_steps=raw["accum_steps"],
-        device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),
-        train=TrainConfig(**raw["train"]), amp=AmpConfig(**raw["amp"]) if raw["amp"] else None,
-        mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})),
-        profile=ProfileConfig(**raw.get("profile", {})),
-        model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
-        grad_comm=raw.get("grad_comm", "none"))

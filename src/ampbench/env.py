@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from ampbench.config import resolve_backend
 from ampbench.errors import EnvironmentMismatch
 
 MIN_DRIVER = (545, 23)  # the article's minimum driver for CUDA 12.1-era fp16 kernels
@@ -141,8 +142,7 @@ def check_distributed(cfg, device: str, info: dict, grad_comms: set[str]) -> Non
     if device == "cpu" and nproc > (info.get("cpu_count") or 1):
         raise EnvironmentMismatch(f"params.yaml: distributed.nproc_per_node = {nproc} but this machine has "
                                   f"{info.get('cpu_count')} CPU cores; set at most that many processes")
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
-    if backend == "nccl" and "bf16" in grad_comms:
+    if resolve_backend(cfg, device) == "nccl" and "bf16" in grad_comms:
         nccl = info.get("nccl")
         if nccl and tuple(nccl) < (2, 10):
             raise EnvironmentMismatch(f"grad_comm bf16 needs NCCL 2.10 or later and this torch has NCCL "

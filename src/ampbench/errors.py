@@ -48,7 +48,8 @@ def run_cli(main: Callable[[], None]) -> None:
     try:
         main()
     except AmpbenchError as err:
-        rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", 1)) > 1 else ""  # under torchrun
+        under_torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
+        rank = f"rank {os.environ.get('RANK', '?')}: " if under_torchrun else ""
         print(f"error: {rank}{err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:

@@ -91,17 +91,15 @@ class DeviceBatches:
         c, h, w = self.shape
         for start in range(0, self.used, self.batch_size):
             sel = order[start:start + self.batch_size]
-            part = self.part(len(sel)) if self.world > 1 else slice(None)
+            part = self.part(len(sel))  # all of it in one process
             if self.augment:  # one gather of whole pixels: shuffle, crop and flip in one index
                 x = self.pixels.index_select(0, self._pixel_index(sel, g, part)).view(-1, h, w, c)
-                sel = sel[part]
             else:  # whole images: no per-pixel index to build
-                sel = sel[part]
-                x = self.images.index_select(0, sel)
+                x = self.images.index_select(0, sel[part])
             # uint8 -> normalised float32 in one op, (x - mean) / std as x * (1/std) - mean/std; channels_last
             x = torch.addcmul(self.bias, x.permute(0, 3, 1, 2), self.inv_std)
             if self.out_size:  # bilinear keeps channels_last
                 x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", align_corners=False)
             if not self.channels_last:
                 x = x.contiguous()
-            yield x, self.labels[sel]
+            yield x, self.labels[sel[part]]

@@ -47,11 +47,12 @@ class World:
         """The device this rank trains on: its own GPU (LOCAL_RANK) on CUDA."""
         return torch.device("cuda", self.local_rank) if kind == "cuda" else torch.device("cpu")
 
-    def reduce(self, values: list[float], op: str = "sum", device: torch.device | None = None) -> list[float]:
+    def reduce(self, values: list[float], op: str = "sum") -> list[float]:
         """``values`` summed (or maxed) over the ranks; the values themselves in a world of one."""
         if not self.active:
             return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=device if self.backend == "nccl" else "cpu")
+        dev = self.device("cuda") if self.backend == "nccl" else torch.device("cpu")  # nccl reduces on the GPU
+        t = torch.tensor(values, dtype=torch.float64, device=dev)
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return t.tolist()
 

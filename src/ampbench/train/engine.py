@@ -1,6 +1,6 @@
 """The one training loop, and evaluation. Every variant runs this code.
 
-    python stages/train.py --plan reports/plans/amp.json ...   # what DVC runs for train@amp
+    torchrun --standalone --nproc-per-node 1 stages/train.py --plan reports/plans/amp.json ...   # train@amp
 
 Variants differ only in data passed in: the precision policy (autocast dtype,
 GradScaler) and ``accum_steps``; under torchrun, the ``World`` (see
@@ -20,11 +20,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ampbench import flops, measure, models, numerics, probes, step
-from ampbench.config import RunPlan
 from ampbench.data import DeviceBatches
 from ampbench.env import set_tf32
 from ampbench.errors import AmpbenchError, NonFiniteTraining
 from ampbench.precision import PrecisionPolicy, micro_batch_size
+from ampbench.runplan import RunPlan
 from ampbench.train import distributed
 
 
@@ -74,7 +74,7 @@ def evaluate(model: torch.nn.Module, batches: DeviceBatches, policy: PrecisionPo
             correct += (out.argmax(dim=1) == y).sum()
             n += len(y)
     model.train()
-    loss_total, correct_total, n = world.reduce([loss_sum.item(), correct.item(), n], device=dev)  # one sync
+    loss_total, correct_total, n = world.reduce([loss_sum.item(), correct.item(), n])  # one sync
     return {"acc": correct_total / max(1, n), "loss": loss_total / max(1, n)}
 
 
@@ -144,7 +144,8 @@ class Trainer:
         n = len(y)
         self.last_batch = (x, y)  # kept (not copied) for a diagnosis if this step goes non-finite
         # this rank's share of the global batch, times the world: DDP's mean over ranks is the batch's mean
-        weight = n * self.world.size / self.train_batches.global_count(self.step_in_epoch) if self.world.active else 1
+        # (exactly 1 in one process, and wherever the slices are equal)
+        weight = n * self.world.size / self.train_batches.global_count(self.step_in_epoch)
         loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro, weight)
         skipped = nonfinite_loss = False
         if self.policy.uses_scaler:
@@ -158,7 +159,7 @@ class Trainer:
             # rank skips the same steps (the all-reduced gradients are the same), and all count a loss that
             # went inf/NaN on any rank, so their counters and the decision to stop stay the same.
             if skipped:
-                nonfinite_loss = self.world.reduce([float(not torch.isfinite(loss))], "max", self.device)[0] > 0
+                nonfinite_loss = self.world.reduce([float(not torch.isfinite(loss))], "max")[0] > 0
         if skipped:
             self.skipped += 1  # the weights did not change, so neither does the LR schedule
         else:
@@ -197,6 +198,7 @@ class Trainer:
         for _ in range(self.step_in_epoch):  # resuming mid-epoch: replay the same order and augmentation
             next(batches)
         timed, sizes = [], []
+        mean_loss = None
         bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, disable=not self.progress, unit="step",
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
         with measure.wall_clock(self.device) as clock:
@@ -228,15 +230,15 @@ class Trainer:
                                                timed, sizes)
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
-        if self.world.active:  # all ranks' images per wall second; the ranks' scalers must agree
-            ep_images, ep_ms = self.world.reduce([ep_images], "sum", self.device)[0], \
-                self.world.reduce([ep_ms], "max", self.device)[0]
-            distributed.check_agree(self.world, "the GradScaler's scale, skipped and inf/NaN-loss steps",
-                                    (self.last_scale, self.skipped, self.nonfinite_steps, len(self.scale_history),
-                                     self.scale_history[-1] if self.scale_history else None))
+        # all ranks' images per wall second of the slowest rank; the ranks' scalers must agree
+        ep_images, ep_ms = self.world.reduce([ep_images])[0], self.world.reduce([ep_ms], "max")[0]
+        distributed.check_agree(self.world, "the GradScaler's scale, skipped and inf/NaN-loss steps",
+                                (self.last_scale, self.skipped, self.nonfinite_steps, len(self.scale_history),
+                                 self.scale_history[-1] if self.scale_history else None))
         ev = evaluate(self.model, self.test_batches, self.policy, self.world)
         self.best_acc = max(self.best_acc, ev["acc"])
-        row = {"epoch": epoch + 1, "train_loss": self.mean_loss(), "eval_loss": ev["loss"],
+        train_loss = mean_loss if mean_loss is not None else self.mean_loss()  # the last step's sync has it
+        row = {"epoch": epoch + 1, "train_loss": train_loss, "eval_loss": ev["loss"],
                "eval_acc": ev["acc"], "lr": self.sched.get_last_lr()[0], "loss_scale": self.last_scale,
                "skipped_steps": self.skipped, "epoch_time_s": clock["s"],
                "imgs_per_s": ep_images / (ep_ms / 1000) if ep_ms else None}
@@ -260,8 +262,7 @@ class Trainer:
 
         Under DDP the same all-reduce carries whether any rank has seen Ctrl-C, so all stop after the same step.
         """
-        total, seen, stop = self.world.reduce([self.loss_sum.item(), self.seen, float(self.stop_requested)],
-                                              device=self.device)
+        total, seen, stop = self.world.reduce([self.loss_sum.item(), self.seen, float(self.stop_requested)])
         self.stop_agreed = stop > 0
         return total / max(1, seen)
 
@@ -286,7 +287,7 @@ class Trainer:
         over the ranks, and resume on rank 0), and rank 0 writes it."""
         state = {k: getattr(self, k) for k in self._SCALARS}
         loss_sum, state["seen"], state["timed_images"] = self.world.reduce(
-            [self.loss_sum.item(), self.seen, self.timed_images], device=self.device)
+            [self.loss_sum.item(), self.seen, self.timed_images])
         state["seen"], state["timed_images"] = int(state["seen"]), int(state["timed_images"])
         state.update(model=self.model.state_dict(), opt=self.opt.state_dict(), sched=self.sched.state_dict(),
                      scaler=self.scaler.state_dict(), loss_sum=loss_sum,

@@ -31,12 +31,11 @@ def run_result(t) -> RunResult:
     total_e2e, total_compute = sum(e2e_ms), sum(t.step_ms)
     timed_images, data_ms = t.timed_images, sum(t.data_ms)
     mem = measure.peak_memory(device)
-    if t.world.active:  # all ranks' images per wall second of the slowest rank; the largest rank's memory
-        timed_images = t.world.reduce([timed_images], "sum", device)[0]
-        total_e2e, total_compute, data_ms, *peaks = t.world.reduce(
-            [total_e2e, total_compute, data_ms, mem["peak_mem_bytes"], mem["peak_reserved_bytes"] or 0], "max",
-            device)
-        mem["peak_mem_bytes"], mem["peak_reserved_bytes"] = int(peaks[0]), int(peaks[1]) or None
+    # All ranks' images per wall second of the slowest rank, and the largest rank's memory (one rank: its own).
+    timed_images = int(t.world.reduce([timed_images])[0])
+    total_e2e, total_compute, data_ms, *peaks = t.world.reduce(
+        [total_e2e, total_compute, data_ms, mem["peak_mem_bytes"], mem["peak_reserved_bytes"] or 0], "max")
+    mem["peak_mem_bytes"], mem["peak_reserved_bytes"] = int(peaks[0]), int(peaks[1]) or None
     params = list(t.model.parameters())
     last = t.history[-1] if t.history else {"eval_acc": None, "train_loss": None, "eval_loss": None}
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -18,8 +18,9 @@ import torch
 from tqdm import tqdm
 
 from ampbench import measure, numerics, profiling
-from ampbench.config import RunPlan, to_dict
+from ampbench.config import to_dict
 from ampbench.errors import AmpbenchError, NonFiniteTraining
+from ampbench.runplan import RunPlan
 from ampbench.train import checkpoint, distributed
 from ampbench.train.engine import Trainer
 from ampbench.train.metrics import RunResult, run_result
@@ -67,14 +68,13 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     trainer = Trainer(plan, data, progress=progress, world=world)
     fp = checkpoint.fingerprint({**to_dict(plan), "world_size": world.size}, data["meta"])
     state = checkpoint.load(checkpoint_dir, fp, discard=world.main)
-    if world.active:
-        distributed.check_agree(world, "the checkpoint to resume from",
-                                None if state is None else (state["epoch"], state["global_step"]))
+    distributed.check_agree(world, "the checkpoint to resume from",
+                            None if state is None else (state["epoch"], state["global_step"]))
     if state is not None:
         trainer.load_state_dict(state)
         if world.main:
             print(f"[{plan.variant}] resuming from the checkpoint at epoch {trainer.epoch + 1}, "
-              f"step {trainer.step_in_epoch} of {trainer.steps_per_epoch}", flush=True)
+                  f"step {trainer.step_in_epoch} of {trainer.steps_per_epoch}", flush=True)
     try:
         with stop_on_sigint(trainer), torch.autograd.set_detect_anomaly(plan.debug.detect_anomaly):
             while trainer.epoch < plan.train.epochs:

@@ -1,0 +1,83 @@
+"""The run plan: everything one ``train@<variant>`` stage reads, written by env_check as reports/plans/<v>.json.
+
+    plan = runplan.make_plan(cfg, "amp", "cuda")   # from a validated Config
+    runplan.write_plan(plan, path); runplan.read_plan(path)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ampbench.config import (
+    AmpConfig,
+    Config,
+    DebugConfig,
+    MlflowConfig,
+    ModelConfig,
+    ProfileConfig,
+    TrainConfig,
+    resolve_backend,
+    to_dict,
+)
+from ampbench.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything one ``train@<variant>`` stage reads, and nothing else.
+
+    env_check writes one plan file per variant; a train stage depends on its own
+    file, so editing ``amp.init_scale`` changes (and reruns) only the fp16 plans.
+    """
+
+    variant: str
+    precision: str
+    accum_steps: int
+    device: str                   # resolved: cuda or cpu
+    seed: int
+    model: ModelConfig
+    train: TrainConfig
+    amp: AmpConfig | None         # None unless precision is fp16 (no GradScaler otherwise)
+    mlflow: MlflowConfig
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    model_source: str = ""        # hash of model.factory's source: editing it reruns the train stages
+    ddp: bool = True              # train on every process torchrun starts (false: rank 0 alone)
+    backend: str = "gloo"         # resolved process-group backend: nccl or gloo
+    grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
+
+
+def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") -> RunPlan:
+    if variant not in cfg.variants:
+        raise ConfigError(f"variant {variant!r} is not in params.yaml variants; "
+                          f"defined: {', '.join(cfg.variants)}")
+    v = cfg.variants[variant]
+    train = dataclasses.replace(cfg.train, target_acc=0.0)  # read by the report only: not a reason to retrain
+    return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
+                   seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
+                   amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug,
+                   model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
+                   grad_comm=v.grad_comm or cfg.distributed.grad_comm)
+
+
+def write_plan(plan: RunPlan, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_dict(plan), indent=2, sort_keys=True) + "\n")
+
+
+def read_plan(path: str | Path) -> RunPlan:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no run plan; run the env_check stage first (dvc repro)")
+    raw = json.loads(path.read_text())
+    return RunPlan(
+        variant=raw["variant"], precision=raw["precision"], accum_steps=raw["accum_steps"],
+        device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),
+        train=TrainConfig(**raw["train"]), amp=AmpConfig(**raw["amp"]) if raw["amp"] else None,
+        mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})),
+        profile=ProfileConfig(**raw.get("profile", {})),
+        model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
+        grad_comm=raw.get("grad_comm", "none"))
