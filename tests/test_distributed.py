@@ -283,9 +283,14 @@ def test_sigkill_of_the_torchrun_group_then_dvc_repro_resumes_to_the_same_result
     while not ckpt.exists():
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.05)
-    workers = [p for p in psutil.process_iter(["cmdline", "cwd"]) if p.info["cwd"] == str(repo)
-               and "stages/train.py" in " ".join(p.info["cmdline"] or [])]
-    assert len(workers) == 1 + WORLD  # torchrun and its two workers
+    stage = [p for p in psutil.process_iter(["cmdline", "cwd"]) if p.info["cwd"] == str(repo)
+             and "stages/train.py" in " ".join(p.info["cmdline"] or [])]
+    # DVC runs the cmd through $SHELL, or /bin/sh when it is unset: dash stays as torchrun's parent, bash
+    # execs it. The workers are the leaves; their one parent is torchrun.
+    workers = [p for p in stage if not p.children()]
+    launchers = {p.ppid() for p in workers}
+    assert len(workers) == WORLD and len(launchers) == 1, stage
+    workers.append(psutil.Process(launchers.pop()))
     os.killpg(proc.pid, signal.SIGKILL)  # dvc and torchrun; torchrun's workers sit in sessions of their own
     proc.wait()
     gone, alive = psutil.wait_procs(workers, timeout=10)
