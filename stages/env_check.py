@@ -36,6 +36,7 @@ def main() -> None:
     source = models.source_hash(cfg.model)
     plans = {name: runplan.make_plan(cfg, name, device, source) for name in cfg.variants}
     env.check_distributed(cfg.distributed, device, info, {p.grad_comm for p in plans.values() if p.ddp})
+    models.check_unused(model, cfg.model, cfg.distributed, any(p.ddp for p in plans.values()))
     for warning in env.warnings_for(info):
         print(f"warning: {warning}")
     if cfg.mlflow.enabled:

@@ -61,6 +61,33 @@ def test_distributed_params_this_machine_cannot_run_exit_2(tmp_path, monkeypatch
     _assert_rejected(tmp_path, monkeypatch, capsys, yaml.safe_dump(params), words)
 
 
+SPARE = """
+from torch import nn
+
+class Spare(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.head, self.aux = nn.Sequential(nn.Flatten(), nn.LazyLinear(num_classes)), nn.Linear(4, num_classes)
+
+    def forward(self, x):
+        return self.head(x)  # self.aux: never in the loss
+"""
+
+
+def test_a_model_with_parameters_its_loss_does_not_use_under_ddp_exits_2(tmp_path, monkeypatch, capsys,
+                                                                         real_params):
+    (tmp_path / "spare_nets.py").write_text(SPARE)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delitem(sys.modules, "spare_nets", raising=False)
+    params = copy.deepcopy(real_params)
+    for key, value in {"device": "cpu", "model.factory": "spare_nets:Spare", "distributed.nproc_per_node": 2,
+                       "data.source": "synthetic"}.items():
+        _set(params, key, value)
+    _assert_rejected(tmp_path, monkeypatch, capsys, yaml.safe_dump(params),
+                     ["'spare_nets:Spare' has 2 parameter(s) its loss does not use (aux.weight, aux.bias)",
+                      "set distributed.find_unused_parameters: true"])
+
+
 def _assert_rejected(tmp_path, monkeypatch, capsys, text: str, words: list[str]) -> None:
     """env_check on ``text``: exit 2, one line holding ``words``, no traceback, reports/ and data/ untouched."""
     for rel, content in {"reports/env.json": "{}\n", "reports/plans/fp32.json": "{}\n",

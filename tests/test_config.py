@@ -95,6 +95,7 @@ BAD = [  # (key, value, words the message must contain)
     ("distributed.grad_comm", "int8", ["distributed.grad_comm", "none | fp16 | bf16"]),
     ("variants.amp.grad_comm", "fp8", ["variants.amp.grad_comm", '"" | none | fp16 | bf16']),
     ("variants.amp.ddp", "no", ["variants.amp.ddp", "true or false"]),
+    ("distributed.find_unused_parameters", "yes", ["distributed.find_unused_parameters", "true or false"]),
     ("distributed.nproc_per_node", 3, ["train.batch_size = 256", "nproc_per_node = 3", "multiple of 3"]),
 ]
 

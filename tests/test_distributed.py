@@ -167,13 +167,56 @@ def test_an_inf_on_one_rank_makes_every_rank_skip_the_step(tmp_path):
     assert ranks[0]["history"][-1] == {"step": 2, "scale": ranks[0]["scale"], "skipped": True}
 
 
+class _Spare(torch.nn.Module):
+    """A model whose loss never uses ``spare``: DDP must be told (find_unused_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head, self.spare = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def _unused_worker(rank: int, port: int, folder: str) -> None:
+    world = _join(rank, port)
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
+                            "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 0},
+                            "distributed": {"nproc_per_node": WORLD, "find_unused_parameters": True}})
+    trainer = Trainer(runplan.make_plan(cfg, "fp32", "cpu"), data.load_prepared(Path(folder) / "prepared", "cpu"),
+                      progress=False, world=world)
+    out = {"trainer": trainer.ddp_model.find_unused_parameters}
+    for flag in (True, False):  # the failing one last: it leaves its DDP mid-reduction
+        torch.manual_seed(0)
+        model = distributed.wrap(_Spare(), world, find_unused_parameters=flag)
+        try:
+            for i in range(3):
+                model(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + i))).sum().backward()
+            out[str(flag)] = [float(p.grad.sum()) for p in model.module.head.parameters()]
+        except RuntimeError as err:
+            out[str(flag)] = "find_unused_parameters" in str(err)
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    distributed.shutdown()
+
+
+def test_find_unused_parameters_lets_ddp_train_a_model_with_a_parameter_the_loss_does_not_use(tmp_path):
+    data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, tmp_path / "prepared",
+                 tmp_path / "raw")
+    _spawn(_unused_worker, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0]["trainer"] is True  # the plan's flag reaches the Trainer's DDP
+    assert ranks[0]["True"] == ranks[1]["True"] and len(ranks[0]["True"]) == 2  # trained, gradients all-reduced
+    assert ranks[0]["False"] is True and ranks[1]["False"] is True  # without it DDP stops at the second step
+
+
 def test_ddp_false_and_grad_comm_reach_the_plan():
-    cfg = config.from_dict({"distributed": {"nproc_per_node": 2, "grad_comm": "bf16"},
+    cfg = config.from_dict({"distributed": {"nproc_per_node": 2, "grad_comm": "bf16", "find_unused_parameters": True},
                             "variants": {"a": {"precision": "fp16"}, "b": {"precision": "fp16", "ddp": False},
                                          "c": {"precision": "fp16", "grad_comm": "fp16"}}})
     plans = {n: runplan.make_plan(cfg, n, "cuda") for n in cfg.variants}
     assert [(p.ddp, p.grad_comm, p.backend) for p in plans.values()] == [
         (True, "bf16", "nccl"), (False, "bf16", "nccl"), (True, "fp16", "nccl")]
+    assert [p.find_unused_parameters for p in plans.values()] == [True, False, True]  # one process: no DDP flag
     assert config.variant_world(cfg, "b") == 1 and config.variant_world(cfg, "a") == 2
     round_trip = runplan.read_plan(_write(plans["c"]))
     assert round_trip == plans["c"]

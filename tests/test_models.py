@@ -97,6 +97,20 @@ def broken(num_classes):
 
 def not_a_module(num_classes):
     return "a string"
+
+class Spare(nn.Module):  # a second head the loss never uses
+    def __init__(self, num_classes):
+        super().__init__()
+        self.body, self.head, self.spare = nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+def spare(num_classes):
+    return Spare(num_classes)
+
+def frozen(num_classes):
+    return build(num_classes).requires_grad_(False)
 """
 
 
@@ -115,10 +129,27 @@ def user_models(tmp_path, monkeypatch):
 
 def test_factory_builds_the_users_module(user_models):
     info = models.check(ModelConfig(factory="mymodels.nets:build"), num_classes=5, image_size=32)
-    assert info == {"model": "mymodels.nets:build", "param_count": 3 * 8 * 9 + 8 + 8 * 5 + 5}
+    assert info == {"model": "mymodels.nets:build", "param_count": 3 * 8 * 9 + 8 + 8 * 5 + 5, "unused": []}
     sized = models.build(ModelConfig(factory="mymodels.nets:sized", channels_last=False), num_classes=3,
                          image_size=16, device="cpu")
     assert sized[1].in_features == 3 * 16 * 16  # image_size is passed when the factory takes it
+
+
+def test_parameters_the_loss_does_not_use_are_found_and_ddp_without_its_flag_refused(user_models):
+    from ampbench.config import DistributedConfig
+    info = models.check(ModelConfig(factory="mymodels.nets:spare"), num_classes=5, image_size=32)
+    assert info["unused"] == ["spare.weight", "spare.bias"]
+    cfg = ModelConfig(factory="mymodels.nets:spare")
+    with pytest.raises(ConfigError) as err:
+        models.check_unused(info, cfg, DistributedConfig(nproc_per_node=2), ddp=True)
+    for words in ("2 parameter(s)", "spare.weight, spare.bias", "nproc_per_node = 2",
+                  "distributed.find_unused_parameters: true"):
+        assert words in str(err.value)
+    models.check_unused(info, cfg, DistributedConfig(nproc_per_node=2, find_unused_parameters=True), ddp=True)
+    models.check_unused(info, cfg, DistributedConfig(nproc_per_node=1), ddp=True)  # one process: no DDP
+    models.check_unused(info, cfg, DistributedConfig(nproc_per_node=2), ddp=False)  # every variant ddp: false
+    frozen = models.check(ModelConfig(factory="mymodels.nets:frozen"), num_classes=5, image_size=32)
+    assert frozen["unused"] == []  # nothing trainable: nothing DDP waits for
 
 
 @pytest.mark.parametrize(("factory", "words"), [

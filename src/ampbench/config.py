@@ -122,6 +122,7 @@ class DistributedConfig:
     nproc_per_node: int = _opt(1, lo=1)  # training processes per machine (torchrun --nproc-per-node); 1 = one process
     backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))  # auto = nccl on CUDA, gloo on a CPU
     grad_comm: str = _opt("none", choices=GRAD_COMMS)  # gradients all-reduced as fp32 (none), fp16 or bf16
+    find_unused_parameters: bool = False  # DDP's own flag: for models with parameters the loss does not use
 
 
 @dataclass(frozen=True)

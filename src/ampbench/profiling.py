@@ -157,7 +157,8 @@ def profile_run(trainer, steps: int) -> tuple[dict, str]:
     model = copy.deepcopy(trainer.model).train()
     opt = type(trainer.opt)(model.parameters(), **trainer.opt.defaults)
     opt.load_state_dict(trainer.opt.state_dict())
-    step_model = distributed.wrap(model, world, trainer.plan.grad_comm)  # the copy itself in one process
+    step_model = distributed.wrap(model, world, trainer.plan.grad_comm,  # the copy itself in one process
+                                  trainer.plan.find_unused_parameters)
     scaler = trainer.policy.scaler()
     if trainer.policy.uses_scaler:
         scaler.load_state_dict(trainer.scaler.state_dict())

@@ -48,6 +48,7 @@ class RunPlan:
     ddp: bool = True              # train on every process torchrun starts (false: rank 0 alone)
     backend: str = "gloo"         # resolved process-group backend: nccl or gloo
     grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
+    find_unused_parameters: bool = False  # DDP's find_unused_parameters (only where ddp is true)
 
 
 def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") -> RunPlan:
@@ -60,7 +61,8 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") ->
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
                    amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug,
                    model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
-                   grad_comm=v.grad_comm or cfg.distributed.grad_comm)
+                   grad_comm=v.grad_comm or cfg.distributed.grad_comm,
+                   find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters)
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:
@@ -80,4 +82,4 @@ def read_plan(path: str | Path) -> RunPlan:
         mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})),
         profile=ProfileConfig(**raw.get("profile", {})),
         model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
-        grad_comm=raw.get("grad_comm", "none"))
+        grad_comm=raw.get("grad_comm", "none"), find_unused_parameters=raw.get("find_unused_parameters", False))

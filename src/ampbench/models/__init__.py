@@ -23,7 +23,7 @@ import torch
 import torchvision
 from torch import nn
 
-from ampbench.config import ModelConfig
+from ampbench.config import DistributedConfig, ModelConfig
 from ampbench.errors import ConfigError
 from ampbench.models.cifar import resnet18_cifar, small_cnn
 from ampbench.models.vit import PATCH, vit_tiny
@@ -112,15 +112,16 @@ def build(cfg: ModelConfig, *, num_classes: int, image_size: int, device: str | 
 
 
 def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
-    """Build the model on the CPU and run two images through it; its name and parameter count, or a ConfigError."""
+    """Build the model on the CPU and run two images through it, forward and backward; its name, parameter count
+    and the parameters the loss leaves without a gradient ("unused", which DDP must be told of), or a ConfigError.
+    """
     if cfg.arch == "vit_tiny" and not cfg.factory and image_size % PATCH:
         raise ConfigError(f"params.yaml: model.arch = 'vit_tiny' needs an input size divisible by its patch "
                           f"({PATCH}), got {image_size}; set model.input_size to a multiple of {PATCH}")
     model = _builder(cfg)(num_classes, image_size)
     x = torch.zeros(2, 3, image_size, image_size)
     try:
-        with torch.no_grad():
-            out = model.train()(x)  # train mode: what the training step sees (aux heads, dropout)
+        out = model.train()(x)  # train mode: what the training step sees (aux heads, dropout)
     except Exception as err:
         raise ConfigError(f"params.yaml: model {name(cfg)!r} cannot take {image_size}x{image_size} images "
                           f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); set "
@@ -129,7 +130,27 @@ def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
         got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
         raise ConfigError(f"params.yaml: model {name(cfg)!r} returns {got} for a batch of 2, expected logits of "
                           f"shape (2, {num_classes}); make it return one tensor of class scores")
-    return describe(model, cfg)
+    if out.requires_grad:  # a model with no trainable parameter has nothing to check
+        out.float().sum().backward()
+    unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    return {**describe(model, cfg), "unused": unused}
+
+
+def check_unused(model: dict, cfg: ModelConfig, distributed: DistributedConfig, ddp: bool) -> None:
+    """Stop when DDP would train a model whose loss leaves parameters without a gradient and DDP is not told.
+
+    DDP waits for every parameter's gradient; without ``find_unused_parameters`` it fails at the second step
+    ("Expected to have finished reduction in the prior iteration"). ``model``: what :func:`check` returned;
+    ``ddp``: whether any variant trains in several processes.
+    """
+    unused = model["unused"]
+    if not (ddp and distributed.nproc_per_node > 1 and unused) or distributed.find_unused_parameters:
+        return
+    names = ", ".join(unused[:3]) + (f" and {len(unused) - 3} more" if len(unused) > 3 else "")
+    raise ConfigError(f"params.yaml: model {name(cfg)!r} has {len(unused)} parameter(s) its loss does not use "
+                      f"({names}) and DDP over distributed.nproc_per_node = {distributed.nproc_per_node} "
+                      "processes needs a gradient for each; set distributed.find_unused_parameters: true, or "
+                      "remove those parameters (or set their requires_grad to False)")
 
 
 def describe(model: nn.Module, cfg: ModelConfig) -> dict:

@@ -132,16 +132,19 @@ def comm_hook(grad_comm: str):
             "bf16": default_hooks.bf16_compress_hook}[grad_comm]
 
 
-def wrap(model: torch.nn.Module, world: World, grad_comm: str = "none") -> torch.nn.Module:
+def wrap(model: torch.nn.Module, world: World, grad_comm: str = "none",
+         find_unused_parameters: bool = False) -> torch.nn.Module:
     """``model`` in DistributedDataParallel with ``grad_comm``'s hook; ``model`` itself in a world of one.
 
     DDP broadcasts rank 0's weights and buffers when it is built, so every rank starts from the same model.
+    ``find_unused_parameters`` is DDP's own: needed when the loss does not use every parameter.
     """
     if not world.active:
         return model
     from torch.nn.parallel import DistributedDataParallel as DDP
     dev = next(model.parameters()).device
-    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None,
+              find_unused_parameters=find_unused_parameters)
     hook = comm_hook(grad_comm)
     if hook is not None:
         ddp.register_comm_hook(state=None, hook=hook)
