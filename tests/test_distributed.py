@@ -185,7 +185,7 @@ def _unused_worker(rank: int, port: int, folder: str) -> None:
                             "distributed": {"nproc_per_node": WORLD, "find_unused_parameters": True}})
     trainer = Trainer(runplan.make_plan(cfg, "fp32", "cpu"), data.load_prepared(Path(folder) / "prepared", "cpu"),
                       progress=False, world=world)
-    out = {"trainer": trainer.ddp_model.find_unused_parameters}
+    out = {"trainer": trainer.step_model.find_unused_parameters}
     for flag in (True, False):  # the failing one last: it leaves its DDP mid-reduction
         torch.manual_seed(0)
         model = distributed.wrap(_Spare(), world, find_unused_parameters=flag)
@@ -207,6 +207,41 @@ def test_find_unused_parameters_lets_ddp_train_a_model_with_a_parameter_the_loss
     assert ranks[0]["trainer"] is True  # the plan's flag reaches the Trainer's DDP
     assert ranks[0]["True"] == ranks[1]["True"] and len(ranks[0]["True"]) == 2  # trained, gradients all-reduced
     assert ranks[0]["False"] is True and ranks[1]["False"] is True  # without it DDP stops at the second step
+
+
+def _compile_worker(rank: int, port: int, folder: str) -> None:
+    from torch._dynamo.utils import counters
+    world = _join(rank, port)
+    out = {}
+    for compiled in (False, True):
+        cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
+                                "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 0, "compile": compiled},
+                                "distributed": {"nproc_per_node": WORLD}})
+        trainer = Trainer(runplan.make_plan(cfg, "amp_accum", "cpu"),  # fp16, 4 micro-batches: no_sync inside
+                          data.load_prepared(Path(folder) / "prepared", "cpu"), progress=False, world=world)
+        batches = trainer.train_batches.epoch(0)
+        counters.clear()
+        for i in range(3):
+            trainer.step_in_epoch = trainer.global_step = i
+            trainer.optimizer_step(*next(batches))
+        out[str(compiled)] = {"compiled": counters["stats"]["unique_graphs"] > 0,  # dynamo captured the model
+                              "weights": [float(p.detach().double().sum()) for p in trainer.model.parameters()]}
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    distributed.shutdown()
+
+
+@pytest.mark.slow
+def test_torch_compile_under_ddp_keeps_the_ranks_in_step_with_eager_ddp(tmp_path):
+    """train.compile with DDP (dynamo splits the graph at DDP's buckets) and accumulation's no_sync: every rank
+    ends with the same weights, and those of eager DDP to fp16 autocast's rounding."""
+    data.prepare(config.DataConfig(source="synthetic", train_size=128, test_size=32), 0, tmp_path / "prepared",
+                 tmp_path / "raw")
+    _spawn(_compile_worker, str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert ranks[0] == ranks[1]
+    eager, compiled = ranks[0]["False"], ranks[0]["True"]
+    assert compiled["compiled"] and not eager["compiled"]
+    assert compiled["weights"] == pytest.approx(eager["weights"], rel=1e-3, abs=1e-3)
 
 
 def test_ddp_false_and_grad_comm_reach_the_plan():

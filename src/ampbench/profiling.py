@@ -157,8 +157,7 @@ def profile_run(trainer, steps: int) -> tuple[dict, str]:
     model = copy.deepcopy(trainer.model).train()
     opt = type(trainer.opt)(model.parameters(), **trainer.opt.defaults)
     opt.load_state_dict(trainer.opt.state_dict())
-    step_model = distributed.wrap(model, world, trainer.plan.grad_comm,  # the copy itself in one process
-                                  trainer.plan.find_unused_parameters)
+    step_model = distributed.step_model(model, world, trainer.plan)  # as training runs it, compiled or not
     scaler = trainer.policy.scaler()
     if trainer.policy.uses_scaler:
         scaler.load_state_dict(trainer.scaler.state_dict())

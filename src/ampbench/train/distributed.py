@@ -151,6 +151,17 @@ def wrap(model: torch.nn.Module, world: World, grad_comm: str = "none",
     return ddp
 
 
+def step_model(model: torch.nn.Module, world: World, plan) -> torch.nn.Module:
+    """What a training step calls (``plan``: a RunPlan): ``model``, compiled when train.compile asks, inside DDP
+    under several processes.
+
+    The compiled module goes inside DDP, as PyTorch advises: ``torch.compile`` of the DDP wrapper breaks its graph
+    at DDP's forward (a generator context manager) and, on torch 2.14, runs the model eagerly.
+    """
+    inner = torch.compile(model) if plan.train.compile else model
+    return wrap(inner, world, plan.grad_comm, plan.find_unused_parameters)
+
+
 def sync_context(model: torch.nn.Module, sync: bool):
     """``model.no_sync()`` when ``sync`` is false on a DDP model (gradients stay local); else nothing."""
     if sync or not hasattr(model, "no_sync"):

@@ -112,9 +112,7 @@ class Trainer:
         self.accum_check = probes.accumulation_check(self.model, x, y, self.micro) if plan.accum_steps > 1 else None
         self.activation_bytes = probes.activation_bytes(self.model, x[:self.micro], self.policy)
         self.flops_per_image = flops.train_flops_per_image(self.model, x[:8], y[:8])  # per image: 8 suffice
-        self.ddp_model = distributed.wrap(self.model, world, plan.grad_comm,  # the model itself in one process
-                                          plan.find_unused_parameters)
-        self.step_model = torch.compile(self.ddp_model) if plan.train.compile else self.ddp_model
+        self.step_model = distributed.step_model(self.model, world, plan)
         measure.reset_peak_memory(device)
 
         # Progress; everything here goes into a checkpoint.
