@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, explain, profiling, report, results, runplan, step
+from ampbench import config, data, profiling, report, results, runplan, step
+from ampbench.report import summary as report_summary
 from ampbench.sandbox import merge
 from ampbench.train import runner
 from tests.conftest import SHRINK
@@ -106,9 +107,9 @@ def test_time_to_accuracy_from_a_known_history():
     history = [{"epoch": 1, "epoch_time_s": "2.0", "eval_acc": "0.5"},
                {"epoch": 2, "epoch_time_s": "3.0", "eval_acc": "0.91"},
                {"epoch": 3, "epoch_time_s": "3.0", "eval_acc": "0.95"}]
-    assert explain.time_to_accuracy(history, 0.9) == (5.0, 2)
-    assert explain.time_to_accuracy(history, 0.95) == (8.0, 3)
-    assert explain.time_to_accuracy(history, 0.99) is None
+    assert report_summary.time_to_accuracy(history, 0.9) == (5.0, 2)
+    assert report_summary.time_to_accuracy(history, 0.95) == (8.0, 3)
+    assert report_summary.time_to_accuracy(history, 0.99) is None
 
 
 def _profile(conv, norm, casts, wall):
@@ -117,6 +118,7 @@ def _profile(conv, norm, casts, wall):
     if casts:
         cats["casts"] = {"ms_per_step": casts, "share": casts / wall, "dtypes": "fp16 50%, fp32 50%"}
     return {"steps": 3, "basis": "CUDA kernel time", "wall_ms_per_step": wall, "categories": cats,
+            "category_order": list(profiling.CATEGORIES), "category_roles": dict(profiling.ROLES),
             "attributed_ms_per_step": conv + norm + casts, "gpu_busy_fraction": 0.8, "kernels_per_step": 120,
             "cost_s": 1.5}
 

@@ -18,7 +18,7 @@ def _write(runs, name, precision, accum, step_ms, mem, act, acc):
                "step_time_ms": {"median": step_ms, "p10": step_ms * 0.9, "p90": step_ms * 1.1, "n": 5},
                "peak_mem_bytes": mem, "activation_bytes": act, "final_acc": acc, "best_acc": acc,
                "skipped_steps": 0, "tf32": {"matmul_fp32_precision": "ieee"}, "arch": "resnet18"}
-    history = [{"epoch": 1, "train_loss": 1.0, "eval_loss": 1.0, "eval_acc": acc}]
+    history = [{"epoch": 1, "train_loss": 1.0, "eval_loss": 1.0, "eval_acc": acc, "epoch_time_s": 10.0}]
     results.write_run(runs / name, metrics, history, [], [step_ms] * 5)
 
 
@@ -80,3 +80,72 @@ def test_speedup_interval_from_repeats(runs, tmp_path):
     assert amp["speedup"] == pytest.approx(3.0) and "repeats (3 vs 3)" in amp["speedup_ci_method"]
     lo, hi = amp["speedup_ci95"]
     assert 2.0 < lo < 3.0 < hi < 4.0
+
+
+def _every_section_fixture(runs):
+    """Runs that give every section something to say: a profile, an fp16 audit, DDP with a one-process twin."""
+    for name, casts_ms in (("fp32", 1.0), ("amp", 2.0)):
+        m = json.loads((runs / name / "metrics.json").read_text())
+        m["profile"] = {"steps": 3, "basis": "CPU time of each op", "wall_ms_per_step": 10.0, "cost_s": 1.0,
+                        "categories": {"conv/matmul": {"ms_per_step": 6.0, "share": 0.6, "dtypes": "fp32 100%"},
+                                       "casts": {"ms_per_step": casts_ms, "share": 0.1, "dtypes": None}},
+                        "category_order": ["conv/matmul", "casts"],
+                        "category_roles": {"conv/matmul": "tensor_core", "casts": "precision_overhead"}}
+        results.write_json(runs / name / "metrics.json", m)
+    audit = [{"layer": "conv1", "type": "Conv2d", "autocast_dtype": "fp16", "grad_underflow": 0.1,
+              "grad_scaled_underflow": 0.0, "grad_subnormal": 0.2, "grad_scaled_overflow": 0.0, "act_overflow": 0.0}]
+    run = results.read_run(runs / "amp")
+    run["metrics"]["final_loss_scale"] = 8192.0
+    results.write_run(runs / "amp", run["metrics"], run["history"], [{"step": 0, "scale": 8192.0, "skipped": False}],
+                      run["step_times_ms"], numerics=audit)
+    _write(runs, "fp32_ddp", "fp32", 1, 200.0, 1000, 400, 0.90)
+    m = json.loads((runs / "fp32_ddp" / "metrics.json").read_text())
+    m.update(world_size=2, backend="gloo", grad_comm="none")  # 1,280 img/s against fp32's 853
+    results.write_json(runs / "fp32_ddp" / "metrics.json", m)
+    points = [{"variant": p, "batch_size": b, "imgs_per_s": 100.0 * b, "imgs_per_s_p10": 90.0 * b,
+               "imgs_per_s_p90": 110.0 * b, "activation_bytes": (2 if p == "fp32" else 1) * 1000 * b}
+              for p in ("fp32", "fp16") for b in (32, 64)]
+    largest = {p: {"largest_batch": n, "method": "estimate", "how": "bytes per image", "limit_bytes": 2 ** 30,
+                   "limit": "device memory"} for p, n in (("fp32", 512), ("fp16", 1024))}
+    return {"enabled": True, "device": "cpu", "steps": 3, "points": points, "precisions": ["fp32", "fp16"],
+            "largest": largest, "reused_points": 0, "measured_points": 4}
+
+
+def test_every_section_is_rendered_from_run_folders(runs, tmp_path):
+    from ampbench.report import sections
+    sweep = _every_section_fixture(runs)
+    variants = ["fp32", "amp", "fp32_ddp"]
+    s = report.build(runs, ENV, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", variants,
+                     {"train.epochs": 1}, target_acc=0.5, sweep=sweep)
+    md = (tmp_path / "r.md").read_text()
+    read = results.read_runs(runs)
+    for section in sections.SECTIONS:  # every section writes something from these runs
+        lines = section(s, ENV, {n: read[n] for n in variants})
+        assert lines and "\n".join(lines) in md, section.__name__
+    headings = [line for line in md.splitlines() if line.startswith("#")]
+    assert headings == ["# ampbench report: what FP16 mixed precision bought here", "## Results (measured in this run)",
+                        "## Why: the step profile", "## Ours beside the article's", "## Memory, meter by meter",
+                        "## Batch-size sweep", "## Past one process: data-parallel training (DDP)",
+                        "## Numerical safety", "## Figures", "## Environment", "## Reproduce"]
+    verdict = md.splitlines()[2]
+    assert "In the batch-size sweep, fp16 fits 2.00x the batch of fp32" in verdict
+    assert "fp32_ddp ran 1.50x as fast as in one process, 75% scaling efficiency" in verdict
+    assert "amp added 1 ms of casts per step" in verdict and md.count("amp added 1 ms of casts") == 1  # once
+    assert "Training time to 50.0% evaluation accuracy" in md and "`train.epochs: 1`" in md
+    assert "fp16 numerics audit of `amp`" in md and "`conv1` (Conv2d, runs in fp16): 10.00%" in md
+    figs = {"throughput", "memory", "curves", "loss_scale", "numerics_audit", "profile", "sweep_throughput",
+            "sweep_memory"}
+    assert s["figures"] == [f"fig/{f}.png" for f in ("throughput", "memory", "curves", "loss_scale",
+                                                     "numerics_audit", "profile", "sweep_throughput", "sweep_memory")]
+    assert {p.stem for p in (tmp_path / "fig").iterdir()} == figs
+    assert all(f"]({f})" in md for f in s["figures"])
+
+
+def test_the_report_imports_no_training_code():
+    import subprocess
+    import sys
+    code = ("import sys, ampbench.report, ampbench.report.figures; "
+            "print(sorted(m for m in sys.modules if m.startswith(('ampbench.train', 'ampbench.step', "
+            "'ampbench.precision', 'ampbench.profiling', 'ampbench.models', 'ampbench.data'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

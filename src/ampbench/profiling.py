@@ -39,6 +39,10 @@ from ampbench.train import distributed
 TENSOR_CORE = "conv/matmul"
 CATEGORIES = (TENSOR_CORE, "normalization", "elementwise/activations", "softmax/reductions", "casts",
               "optimizer", "loss scaling", "data preparation", "communication", "other")
+# What each category is to a reader, written into every profile with the order above, so that the report knows
+# which time tensor cores speed up and which a precision adds without importing this module (or torch).
+ROLES = {TENSOR_CORE: "tensor_core", "casts": "precision_overhead", "loss scaling": "precision_overhead",
+         "other": "unattributed"}
 DATA_SCOPE = "ampbench::data"
 WARMUP = 2  # profiled steps thrown away before the ones that count
 # Op-name patterns, matched against the name lower-cased with "_" removed (aten::native_batch_norm -> nativebatchnorm).
@@ -126,6 +130,7 @@ def summarize(events, steps: int, wall_ms: float, on_cuda: bool) -> dict:
                          "dtypes": ", ".join(f"{k} {v:.0%}" for k, v in shares.items()) or None}
     out = {"steps": steps, "basis": "CUDA kernel time" if on_cuda else "CPU time of each op",
            "wall_ms_per_step": per_step, "categories": cats,
+           "category_order": list(CATEGORIES), "category_roles": dict(ROLES),
            "attributed_ms_per_step": sum(ms.values()) / steps}
     if on_cuda:
         out.update(kernels_per_step=kernels / steps, gpu_busy_ms_per_step=busy_us / 1000 / steps,

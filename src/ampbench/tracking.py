@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 # Fail fast against an unreachable server instead of minutes of retries (set before mlflow is imported).
@@ -23,7 +22,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 from mlflow.entities import Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
-from ampbench import figures, results  # noqa: E402
+from ampbench import results  # noqa: E402
 from ampbench.config import MlflowConfig, flatten, tracking_uri  # noqa: E402
 from ampbench.env import fingerprint, git_commit  # noqa: E402
 
@@ -154,25 +153,18 @@ def _series(run: dict) -> list[Metric]:
 
 def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, env_info: dict,
                 pipeline: str | None = None) -> tuple[str, bool]:
-    """Log a train stage's run folder (metrics, per-epoch history, series, files, figures) as one run."""
+    """Log a train stage's run folder as one run: its metrics, per-epoch history and series (which MLflow
+    charts itself) and its files. The figures are the report's, logged with the report run."""
     run = results.read_run(run_dir)
     m = run["metrics"]
-    one = {m["variant"]: run}
-    with tempfile.TemporaryDirectory() as tmp:
-        fig_dir = Path(tmp) / "figures"
-        figures.curves(one, fig_dir / "curves.png")
-        if run["scale"]:
-            figures.loss_scale(one, fig_dir / "loss_scale.png")
-        figures.audit(one, fig_dir / "numerics_audit.png")
-        files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.NUMERICS,
-                                             results.SYSTEM, results.TRACE)]
-        tags = _tags("train", m["variant"], m, env_info, pipeline)
-        tags["ampbench.status"] = m.get("status", "complete")
-        if m.get("diagnosis"):  # a run stopped by inf/NaN: the first bad layer and gradient, searchable
-            tags["ampbench.diagnosis"] = json.dumps(m["diagnosis"])[:5000]
-        return log_run(cfg, repo_root, run_name=f"train@{m['variant']}", key=file_key(run_dir / results.METRICS),
-                       params=plan, metrics=m, history=run["history"], series=_series(run), tags=tags,
-                       artifacts=[*files, fig_dir])
+    files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.NUMERICS,
+                                         results.SYSTEM, results.TRACE)]
+    tags = _tags("train", m["variant"], m, env_info, pipeline)
+    tags["ampbench.status"] = m.get("status", "complete")
+    if m.get("diagnosis"):  # a run stopped by inf/NaN: the first bad layer and gradient, searchable
+        tags["ampbench.diagnosis"] = json.dumps(m["diagnosis"])[:5000]
+    return log_run(cfg, repo_root, run_name=f"train@{m['variant']}", key=file_key(run_dir / results.METRICS),
+                   params=plan, metrics=m, history=run["history"], series=_series(run), tags=tags, artifacts=files)
 
 
 def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json: Path, fig_dir: Path,

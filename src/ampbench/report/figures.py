@@ -1,4 +1,7 @@
-"""Figures for the report and the MLflow runs (PNG, labelled axes and units), from run files only."""
+"""Every figure of the report (PNG, labelled axes and units), from the run files and the summary only.
+
+``draw(summary, runs, fig_dir)`` draws them all and returns the files written; MLflow logs those files.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ampbench import measure  # noqa: E402
-
-MIB = 2 ** 20
+from ampbench.report.fmt import MIB  # noqa: E402
+from ampbench.report.summary import profile_categories, sweep_memory  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
@@ -123,7 +126,6 @@ def audit(runs: dict[str, dict], path: Path) -> Path | None:
 
 def profile(runs: dict[str, dict], path: Path) -> Path | None:
     """Time per step by op category (torch.profiler), every profiled variant side by side, stacked."""
-    from ampbench.profiling import CATEGORIES
     profiled = {n: r["metrics"]["profile"] for n, r in runs.items() if (r["metrics"].get("profile") or {}).get(
         "categories")}
     if not profiled:
@@ -132,7 +134,7 @@ def profile(runs: dict[str, dict], path: Path) -> Path | None:
     names = list(profiled)
     left = [0.0] * len(names)
     colors = plt.get_cmap("tab10")
-    for i, cat in enumerate(CATEGORIES):
+    for i, cat in enumerate(profile_categories(list(profiled.values()))):
         widths = [p["categories"].get(cat, {}).get("ms_per_step", 0.0) for p in profiled.values()]
         if any(widths):
             ax.barh(names, widths, left=left, label=cat, color=colors(i % 10))
@@ -152,8 +154,52 @@ def profile(runs: dict[str, dict], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def all_figures(runs: dict[str, dict], fig_dir: Path) -> list[Path]:
+
+def _batch_axis(ax, s: dict) -> None:
+    batches = sorted({p["batch_size"] for pts in s["points"].values() for p in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.minorticks_off()
+    ax.set_xlabel("batch size (images per step)")
+
+
+def sweep(s: dict | None, fig_dir: Path) -> list[Path]:
+    """Throughput and memory against batch size, a line per precision; none when the sweep did not run."""
+    if not s:
+        return []
+    meter = "CUDA peak allocated" if s["device"] == "cuda" else "activations"
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for prec, pts in s["points"].items():
+        ok = [p for p in pts if not p.get("oom") and p.get("imgs_per_s")]
+        ax.plot([p["batch_size"] for p in ok], [p["imgs_per_s"] for p in ok], marker="o", label=prec)
+    _batch_axis(ax, s)
+    ax.set_ylabel("images / s")
+    ax.set_title(f"Throughput against batch size ({s['steps']} timed steps per point)")
+    ax.legend(fontsize=8)
+    made = [_save(fig, fig_dir / "sweep_throughput.png")]
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    top = 0.0
+    for prec, pts in s["points"].items():
+        ok = [p for p in pts if not p.get("oom") and sweep_memory(p, s["device"])]
+        ys = [sweep_memory(p, s["device"]) / MIB for p in ok]
+        top = max([top, *ys])
+        ax.plot([p["batch_size"] for p in ok], ys, marker="o", label=prec)
+    limit = next((r["limit_bytes"] for r in s["largest"].values() if r.get("limit_bytes")), None)
+    if limit and limit / MIB < 20 * max(top, 1e-9):  # the limit, where it fits on the same axis
+        ax.axhline(limit / MIB, color="black", linestyle="--", linewidth=1, label="memory limit")
+    elif limit:
+        ax.set_title(f"limit {limit / 2**30:.0f} GiB: far above", loc="right", fontsize=8)
+    _batch_axis(ax, s)
+    ax.set_ylabel("MiB")
+    ax.set_title(f"Memory against batch size: {meter}", loc="left", fontsize=9)
+    ax.legend(fontsize=8)
+    made.append(_save(fig, fig_dir / "sweep_memory.png"))
+    return made
+
+
+def draw(summary: dict, runs: dict[str, dict], fig_dir: Path) -> list[Path]:
+    """Every figure of the report into ``fig_dir``; the files written."""
     made = [throughput(runs, fig_dir / "throughput.png"), memory(runs, fig_dir / "memory.png"),
             curves(runs, fig_dir / "curves.png"), loss_scale(runs, fig_dir / "loss_scale.png"),
             audit(runs, fig_dir / "numerics_audit.png"), profile(runs, fig_dir / "profile.png")]
-    return [p for p in made if p is not None]
+    return [p for p in made if p is not None] + sweep(summary.get("sweep"), fig_dir)

@@ -1,0 +1,60 @@
+"""How the report writes a number: values, ratios, changes, shares, times and bytes, each in one place.
+
+A value that was not measured is written as ``missing`` (a measurement) or ``n/a`` (a ratio or share that
+has nothing to be taken against); never as 0.
+"""
+
+from __future__ import annotations
+
+MIB = 2 ** 20
+GIB = 2 ** 30
+
+
+def num(value, spec: str, missing: str = "missing") -> str:
+    """``value`` in format ``spec`` (e.g. ",.0f", ".2%", "d"), or ``missing``."""
+    return missing if value is None else format(value, spec)
+
+
+def ratio(r: float) -> str:
+    """A ratio with enough digits to tell small ones apart: 3.21, 0.95, 0.0213."""
+    return f"{r:.2f}" if r >= 0.1 else f"{r:.3g}"
+
+
+def times(r: float | None) -> str:
+    """A ratio as a factor: 3.21x; n/a when there is none."""
+    return "n/a" if r is None else f"{ratio(r)}x"
+
+
+def change(r: float | None) -> str:
+    """A ratio as a change: 0.6 -> -40%; n/a when there is none."""
+    return "n/a" if r is None else f"{(r - 1) * 100:+.0f}%"
+
+
+def pct(v: float | None) -> str:
+    """A share: 0.42 -> 42%; n/a when there is none."""
+    return "n/a" if v is None else f"{v:.0%}"
+
+
+def ms(v: float | None) -> str:
+    """A time in milliseconds to three figures: 0.398 ms; n/a when there is none."""
+    return "n/a" if v is None else f"{v:.3g} ms"
+
+
+def points(diff: float | None) -> str:
+    """An accuracy difference in percentage points: -0.0100 -> -1.00 pts."""
+    return "n/a" if diff is None else f"{diff * 100:+.2f} pts"
+
+
+def size(n: int | None) -> str:
+    """Bytes in the largest binary unit that keeps them at 1 or more: 1.50 GiB, 12.00 MiB, 512 B."""
+    if n is None:
+        return "missing"
+    for unit, step in (("GiB", GIB), ("MiB", MIB), ("KiB", 2 ** 10)):
+        if n >= step:
+            return f"{n / step:.2f} {unit}"
+    return f"{n} B"
+
+
+def faster(speedup: float) -> str:
+    """A category's or step's speedup in words: 2.00x faster, 1.25x slower."""
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.3g}x slower"

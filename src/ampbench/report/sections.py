@@ -1,0 +1,309 @@
+"""report.md, section by section. Each section is one function ``(summary, env, runs) -> lines``, and
+``SECTIONS`` lists them in the report's order: a new section is one function and one line there.
+
+``summary`` is what ``report.summary.summarize`` computed (plus the figures drawn and the params changed),
+``env`` is env.json, ``runs`` the run folders as ``results.read_runs`` reads them. Every number comes from
+them; the only ones that do not are the article's, quoted and labelled as such.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ampbench.report import fmt
+from ampbench.report.scale import scaling, sweep
+from ampbench.report.summary import profile_categories
+from ampbench.report.verdict import paragraph, why
+
+# The article's own measurement (ResNet-18, CIFAR-10, batch 256, CUDA 12.1, "NVIDIA 5090 (24GB)"): quoted, not ours.
+ARTICLE = {
+    "hardware": 'the article\'s "NVIDIA 5090 (24GB)", CUDA 12.1, ResNet-18, CIFAR-10, batch 256',
+    "rows": [
+        {"precision": "FP32", "memory": "18.7 GB", "imgs_per_s": "1,200", "epoch": "3m21s"},
+        {"precision": "FP16", "memory": "9.2 GB", "imgs_per_s": "3,800", "epoch": "1m02s"},
+    ],
+    "speedup": "3.2x", "memory_change": "-51%",
+}
+
+
+def model_line(m: dict) -> str:
+    """Model <name> (<n> parameters, <s>x<s> inputs), <k> classes of <data> (<n> train / <n> test images)."""
+    params = f"{m['param_count']:,} parameters, " if m.get("param_count") else ""
+    size = f"{m['input_size']}x{m['input_size']} inputs" if m.get("input_size") else "CIFAR-sized inputs"
+    classes = f"{m['num_classes']} classes of " if m.get("num_classes") else ""
+    return (f"Model {m.get('model') or m.get('arch')} ({params}{size}), {classes}{m.get('data_source')} data "
+            f"({m.get('train_images')} train / {m.get('test_images')} test images)")
+
+
+def _first(runs: dict[str, dict]) -> dict:
+    return next(iter(runs.values()))["metrics"] if runs else {}
+
+
+def _speedup(row: dict) -> str:
+    if row.get("speedup") is None:
+        return "n/a"
+    lo, hi = row.get("speedup_ci95") or [None, None]
+    ci = f" ({fmt.ratio(lo)} to {fmt.ratio(hi)})" if lo is not None and hi is not None else ""
+    return f"{fmt.times(row['speedup'])}{ci}"
+
+
+def _imgs_per_s(r: dict) -> str:
+    spread = r.get("imgs_per_s_p10_p90")
+    extra = f" ({spread[0]:,.0f} to {spread[1]:,.0f})" if spread else ""
+    if r.get("imgs_per_s_std") is not None:
+        extra += f" ±{r['imgs_per_s_std']:,.0f} sd over {r['repeats']} repeats"
+    return fmt.num(r["imgs_per_s"], ",.0f") + extra
+
+
+def _tflops(r: dict) -> str:
+    if r.get("achieved_tflops") is None:
+        return "missing"
+    frac = r.get("fraction_of_peak")
+    of_peak = f" ({frac:.0%} of {r['peak_tflops_datasheet']:g} {r['peak_precision']} peak)" if frac else ""
+    return f"{r['achieved_tflops']:.3g}{of_peak}"
+
+
+def _accuracy(r: dict) -> str:
+    sd = f" ±{r['final_acc_std'] * 100:.2f}" if r.get("final_acc_std") is not None else ""
+    return fmt.num(r["final_acc"], ".2%") + sd
+
+
+def header(summary: dict, env: dict, runs: dict) -> list[str]:
+    """The title, the verdict paragraph and the model it is about."""
+    lines = ["# ampbench report: what FP16 mixed precision bought here", "", paragraph(summary, env), ""]
+    return lines + ([f"{model_line(_first(runs))}.", ""] if runs else [])
+
+
+def results(summary: dict, env: dict, runs: dict) -> list[str]:
+    """The results table, what is missing, how to read it, the interval's method, and time to accuracy."""
+    base = summary["baseline"]
+    lines = ["## Results (measured in this run)", "",
+             "| variant | precision | accumulation | img/s (p10 to p90 step) | speedup vs fp32 (95% CI) "
+             "| peak memory | memory vs fp32 | activations | activations vs fp32 | TFLOP/s | time per epoch "
+             "| final accuracy | accuracy vs fp32 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in summary["variants"].items():
+        lines.append(
+            f"| {name} | {r['precision']} | {r['accum_steps']} | {_imgs_per_s(r)} | {_speedup(r)} "
+            f"| {fmt.size(r['peak_mem_bytes'])} | {fmt.change(r.get('mem_ratio'))} | {fmt.size(r['activation_bytes'])} "
+            f"| {fmt.change(r.get('activation_ratio'))} | {_tflops(r)} | {fmt.num(r['epoch_time_s'], '.1f')} s "
+            f"| {_accuracy(r)} | {fmt.points(r.get('acc_diff'))} |")
+    lines.append("")
+    if summary.get("missing"):
+        lines += [f"No finished run for: {', '.join(summary['missing'])} (missing, not estimated).", ""]
+    lines += [
+        "How to read it: img/s is training throughput after the warm-up steps, timed end to end (from one step's "
+        "data to the next's: data, compute and the host's work between steps; evaluation excluded; CUDA events "
+        "on a GPU); in brackets the throughput at the p90 and p10 step times. TFLOP/s is "
+        "model FLOPs (forward + backward, torch.utils.flop_counter) times img/s; on a known GPU, against the "
+        "datasheet's dense peak for that precision (a datasheet figure, not measured). Peak memory is "
+        + ("CUDA peak allocated" if env.get("gpu") else "the process's peak RSS (on a CPU it mostly counts the "
+           "process and data, not the model)")
+        + "; activations are the bytes autograd saves for backward in one forward pass of one micro-batch. "
+        + (f"Ratios are against `{base}`." if base else "No fp32 variant ran, so there are no ratios."), ""]
+    methods = sorted({r["speedup_ci_method"] for r in summary["variants"].values() if r.get("speedup_ci_method")})
+    if methods:
+        caveat = (" A bootstrap over the step times of one process says nothing about process-to-process "
+                  "variation (another process can land on other kernels, clocks or memory placement); set "
+                  "train.repeats: 3 or more for a figure to publish.")
+        lines += [f"Speedup interval: {'; '.join(methods)}."
+                  + (caveat if any(m.startswith("bootstrap") for m in methods) else ""), ""]
+    return lines + _time_to_accuracy(summary)
+
+
+def _time_to_accuracy(summary: dict) -> list[str]:
+    target = summary.get("target_acc")
+    if not target:
+        return []
+    base = summary["variants"].get(summary["baseline"] or "", {}).get("time_to_target_s")
+    lines = [f"Training time to {target:.1%} evaluation accuracy (epoch times summed, evaluation excluded):", "",
+             "| variant | time to target | reached at epoch | speedup vs fp32 (time ratio) |", "|---|---|---|---|"]
+    for name, r in summary["variants"].items():
+        t = r.get("time_to_target_s")
+        if t is None:
+            lines.append(f"| {name} | not reached | - | - |")
+        else:
+            lines.append(f"| {name} | {t:.1f} s | {r['time_to_target_epoch']} | "
+                         f"{fmt.times(base / t) if base else 'n/a'} |")
+    return lines + [""]
+
+
+def profile(summary: dict, env: dict, runs: dict) -> list[str]:
+    """A category table per variant, why each variant against the baseline, GPU idle time, the profile's cost."""
+    lines = ["## Why: the step profile", ""]
+    rows = {n: r["profile"] for n, r in summary["variants"].items() if (r.get("profile") or {}).get("categories")}
+    if not rows:
+        return lines + ["No step profile (profile.steps: 0)."]
+    names = list(rows)
+    first = rows[names[0]]
+    lines += [f"Time per optimizer step by op category, from torch.profiler over {first['steps']} steps per variant "
+              f"after training, on copies of the trained model (never inside a timed step); time is {first['basis']}"
+              ", each op's own time (self time), with the dtypes it ran in.", "",
+              "| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for cat in profile_categories(list(rows.values())):
+        cells = []
+        for n in names:
+            c = rows[n]["categories"].get(cat)
+            cells.append(f"{c['ms_per_step']:.3g} ms ({c['share']:.0%}; {c['dtypes'] or 'no float inputs'})"
+                         if c else "-")
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    lines.append("| step wall time | " + " | ".join(f"{rows[n]['wall_ms_per_step']:.3g} ms" for n in names) + " |")
+    on_gpu = "gpu_busy_fraction" in first
+    if on_gpu:
+        lines.append("| GPU busy (kernels / wall) | " + " | ".join(fmt.pct(rows[n]["gpu_busy_fraction"])
+                                                                    for n in names) + " |")
+        lines.append("| kernels per step | " + " | ".join(f"{rows[n]['kernels_per_step']:.0f}" for n in names) + " |")
+    lines.append("")
+    for name, cmp in (summary.get("profile_comparison") or {}).items():
+        if name == summary.get("headline"):
+            lines += [f"{name} against {summary['baseline']}: the verdict above says where its time went.", ""]
+        else:
+            lines += [why(name, summary["baseline"], cmp), ""]
+    if on_gpu:
+        idle = [f"{n} {fmt.pct(1 - rows[n]['gpu_busy_fraction'])}" for n in names]
+        lines += ["Share of the step the GPU sat idle waiting for the host (launch-bound when large): "
+                  + ", ".join(idle) + ".", ""]
+    cost = sum(rows[n].get("cost_s") or 0 for n in names)
+    lines += [f"Profiling cost {cost:.1f} s in all, outside the timed steps (the profiled steps run with the "
+              "profiler's overhead, so their wall time is above the timed steps'). Each run's trace is "
+              "`profile_trace.json` in its run folder and MLflow run: open it in https://ui.perfetto.dev or "
+              "chrome://tracing.", ""]
+    return lines
+
+
+def article(summary: dict, env: dict, runs: dict) -> list[str]:
+    """Our ratios beside the article's 3.2x and -51%, and the article's own table."""
+    lines = ["## Ours beside the article's", "",
+             "| | speedup vs FP32 | peak memory vs FP32 |", "|---|---|---|",
+             f"| the article (its GPU, quoted) | {ARTICLE['speedup']} | {ARTICLE['memory_change']} |"]
+    for name, r in summary["variants"].items():
+        if name != summary["baseline"]:
+            lines.append(f"| {name}, this run | {_speedup(r)} | {fmt.change(r.get('mem_ratio'))} |")
+    lines += ["", f"The article's own table ({ARTICLE['hardware']}; quoted, not measured here):", "",
+              "| precision | memory | img/s | time per epoch |", "|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['memory']} | {r['imgs_per_s']} | {r['epoch']} |" for r in ARTICLE["rows"]]
+    return lines + ["", f"The article's claim: {ARTICLE['speedup']} faster, {ARTICLE['memory_change']} memory.", ""]
+
+
+def memory(summary: dict, env: dict, runs: dict) -> list[str]:
+    """Every memory meter of every variant, and what each one counts."""
+    lines = ["## Memory, meter by meter", "",
+             "| variant | meter | peak | peak reserved | activations (one micro-batch) | parameters | gradients "
+             "| optimizer state | data set on the device |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in summary["variants"].items():
+        reserved = "n/a on CPU" if r.get("mem_meter") == "process_peak_rss" else fmt.size(r.get("peak_reserved_bytes"))
+        lines.append(f"| {name} | {r.get('mem_meter') or 'missing'} | {fmt.size(r['peak_mem_bytes'])} | {reserved} "
+                     f"| {fmt.size(r['activation_bytes'])} | {fmt.size(r.get('param_bytes'))} "
+                     f"| {fmt.size(r.get('grad_bytes'))} | {fmt.size(r.get('optimizer_state_bytes'))} "
+                     f"| {fmt.size(r.get('dataset_bytes'))} |")
+    return lines + [
+        "", "Peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at the start of training "
+        "(reserved: what the caching allocator held), or on a CPU the process's peak RSS, which counts "
+        "the interpreter and the data set too. Activations: bytes saved for backward, counted with "
+        "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
+        "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant. The data "
+        "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", ""]
+
+
+def safety(summary: dict, env: dict, runs: dict) -> list[str]:
+    """Skipped steps, non-finite losses, the accumulation check and the fp16 audit's layers at risk."""
+    lines = ["## Numerical safety", "",
+             "| variant | status | skipped (overflow) steps | inf/NaN-loss steps | final loss scale "
+             "| accumulation vs full batch (max rel. diff, fp32) |", "|---|---|---|---|---|---|"]
+    for name, r in summary["variants"].items():
+        scale = "n/a (no scaler)" if r.get("final_loss_scale") is None else f"{r['final_loss_scale']:g}"
+        lines.append(f"| {name} | {r.get('status', 'complete')} | {fmt.num(r.get('skipped_steps'), 'd')} "
+                     f"| {fmt.num(r.get('nonfinite_loss_steps'), 'd')} | {scale} "
+                     f"| {fmt.num(r.get('accum_grad_max_rel_diff'), '.1e', 'n/a')} |")
+    lines.append("")
+    accum = [(n, r) for n, r in summary["variants"].items() if r["accum_steps"] > 1]
+    if accum:
+        lines += ["The accumulation check runs BatchNorm in eval mode. In training, BatchNorm normalises each "
+                  "micro-batch with that micro-batch's own statistics ("
+                  + ", ".join(f"`{n}`: {r['accum_steps']} micro-batches per step" for n, r in accum)
+                  + "), so accumulated steps are not identical to full-batch steps; a difference in loss or "
+                  "accuracy against the unaccumulated variant can come from this, not from fp16.", ""]
+    for name, run in runs.items():
+        if run.get("numerics"):
+            lines += _audit(name, run)
+    return lines
+
+
+def _audit(name: str, run: dict) -> list[str]:
+    """The fp16 numerics audit of one run: its five layers most at risk."""
+    rows, scale = run["numerics"], run["metrics"].get("final_loss_scale")
+    at_risk = sorted(rows, key=lambda r: -float(r["grad_underflow"]))[:5]
+    at_risk = [r for r in at_risk if float(r["grad_underflow"]) > 0 or float(r["act_overflow"]) > 0]
+    lines = [f"fp16 numerics audit of `{name}` ({len(rows)} layers; gradients measured in fp32, then "
+             f"cast to fp16 unscaled and at the loss scale in use, {scale:g}):", ""]
+    if not at_risk:
+        lines.append("- no layer had gradient values that fp16 would flush to zero, or activations that "
+                     "would overflow.")
+    for r in at_risk:
+        lines.append(f"- `{r['layer']}` ({r['type']}, runs in {r['autocast_dtype']}): "
+                     f"{float(r['grad_underflow']):.2%} of its gradient values flush to zero in fp16 unscaled, "
+                     f"{float(r['grad_scaled_underflow']):.2%} at scale {scale:g}; "
+                     f"{float(r['grad_subnormal']):.2%} subnormal unscaled; "
+                     f"{float(r['act_overflow']):.2%} of activations overflow.")
+    return lines + [""]
+
+
+def figures(summary: dict, env: dict, runs: dict) -> list[str]:
+    """Every figure drawn, by its path relative to report.md."""
+    found = summary.get("figures") or []
+    return ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in found] + [""] if found else []
+
+
+def environment(summary: dict, env: dict, runs: dict) -> list[str]:
+    """Hardware, software, the baseline's TF32 setting, the model, the processes, the commit, the params."""
+    gpu = env.get("gpu")
+    if gpu:
+        yes = {True: "yes", False: "no"}
+        hw = (f"{gpu['name']} (compute capability {gpu['capability']}, driver {gpu.get('driver') or 'unknown'}, "
+              f"tensor cores: {yes[gpu['tensor_cores']]}, bf16: {yes[gpu['bf16_supported']]})")
+    else:
+        hw = f"no GPU: CPU {env.get('cpu_model')}, {env.get('cpu_count')} cores (fp16 is emulated on a CPU)"
+    first = _first(runs)
+    strict = (first.get("tf32") or {}).get("matmul_fp32_precision") == "ieee"
+    defaults = env.get("tf32_defaults")
+    lines = ["## Environment", "", f"- Hardware: {hw}",
+             f"- Software: torch {env.get('torch')}, CUDA runtime {env.get('cuda_runtime')}, "
+             f"cuDNN {env.get('cudnn')}, Python {env.get('python')}",
+             f"- FP32 baseline: {'strict IEEE fp32 (TF32 off)' if strict else 'TF32 allowed (allow_tf32: true)'}"
+             + (f"; torch's defaults here: matmul {defaults['matmul_fp32_precision']}, cuDNN convolutions "
+                f"{defaults['cudnn_conv_fp32_precision']}" if defaults else ""),
+             f"- {model_line(first)}, batch {first.get('batch_size')}, {first.get('epochs')} epochs, "
+             f"device {first.get('device')}", _processes(runs),
+             f"- Code: git commit {first.get('git_commit', 'unknown')}"]
+    changed = summary.get("params_changed") or {}
+    if changed:
+        lines.append("- Params that differ from the defaults: "
+                     + ", ".join(f"`{k}: {v}`" for k, v in sorted(changed.items())))
+    else:
+        lines.append("- Params: the defaults")
+    return lines + [""]
+
+
+def _processes(runs: dict[str, dict]) -> str:
+    worlds = {n: r["metrics"].get("world_size") or 1 for n, r in runs.items()}
+    ddp = [n for n, w in worlds.items() if w > 1]
+    if not ddp:
+        return "- Processes: one per variant (world size 1)"
+    m = runs[ddp[0]]["metrics"]
+    return (f"- Processes: {m['world_size']} (torchrun, {m.get('backend')} backend) for {', '.join(ddp)}; one for "
+            f"{', '.join(n for n in worlds if n not in ddp) or 'none'}; the global batch of {m.get('batch_size')} "
+            "is split over the processes")
+
+
+def reproduce(summary: dict, env: dict, runs: dict) -> list[str]:
+    return ["## Reproduce", "", "```", "git checkout <the commit above>", "dvc repro          # or: make repro",
+            "```", ""]
+
+
+# The report, in order: a new section is a function above and its name here.
+SECTIONS = (header, results, profile, article, memory, sweep, scaling, safety, figures, environment, reproduce)
+
+
+def render(summary: dict, env: dict, runs: dict[str, dict]) -> str:
+    """report.md's text."""
+    return "\n".join(line for section in SECTIONS for line in section(summary, env, runs))

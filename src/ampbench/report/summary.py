@@ -1,0 +1,216 @@
+"""The report's numbers, no prose: the baseline, each variant's figures and ratios with their intervals, the
+profile comparison, time to accuracy, the batch-size sweep and data-parallel scaling.
+
+Everything comes from the run folders (``results.read_runs``) and the sweep's ``sweep.json``; what summarize
+returns is written as ``summary.json`` (DVC metrics) and is all the sections need besides the runs themselves.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ampbench import measure
+
+# Figures copied as they are from each run's metrics.json into its summary row.
+COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_time_s", "peak_mem_bytes",
+          "peak_reserved_bytes", "mem_meter", "activation_bytes", "param_bytes", "grad_bytes",
+          "optimizer_state_bytes", "dataset_bytes", "final_acc", "final_acc_std", "best_acc", "skipped_steps",
+          "nonfinite_loss_steps", "final_loss_scale", "data_time_fraction", "accum_grad_max_rel_diff",
+          "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision", "world_size", "backend",
+          "grad_comm", "imgs_per_s_per_process")
+
+
+def ratio(a, b) -> float | None:
+    """a / b, or None when either is missing or b is zero."""
+    if a is None or b is None or not b:
+        return None
+    return a / b
+
+
+def pick_baseline(runs: dict[str, dict]) -> str | None:
+    """The fp32, no-accumulation run the ratios are taken against (``fp32`` if so named)."""
+    candidates = [n for n, r in runs.items()
+                  if r["metrics"]["precision"] == "fp32" and r["metrics"]["accum_steps"] == 1]
+    if "fp32" in candidates:
+        return "fp32"
+    return candidates[0] if candidates else None
+
+
+def speedup_with_ci(base: dict, run: dict) -> dict:
+    """Speedup over the baseline and its 95% interval: from repeats when both have 2+, else a bootstrap."""
+    bm, m = base["metrics"], run["metrics"]
+    b_runs, v_runs = bm.get("imgs_per_s_runs") or [], m.get("imgs_per_s_runs") or []
+    if len(b_runs) >= 2 and len(v_runs) >= 2:
+        r, lo, hi = measure.ratio_ci_from_repeats(v_runs, b_runs)
+        return {"speedup": r, "speedup_ci95": [lo, hi],
+                "speedup_ci_method": f"t-interval over repeats ({len(v_runs)} vs {len(b_runs)})"}
+    b_ms = (bm.get("step_time_ms") or {}).get("median")
+    r = ratio(b_ms, (m.get("step_time_ms") or {}).get("median"))  # the same step times as the interval
+    lo, hi = measure.bootstrap_ratio_ci(base["step_times_ms"], run["step_times_ms"])
+    return {"speedup": r, "speedup_ci95": [None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
+            "speedup_ci_method": "bootstrap over step times (median ratio)"}
+
+
+def time_to_accuracy(history: list[dict], target: float) -> tuple[float, int] | None:
+    """(seconds, epoch) when eval accuracy first reached ``target``, summing epoch times; None if never."""
+    total = 0.0
+    for row in history:
+        total += float(row["epoch_time_s"])
+        if float(row["eval_acc"]) >= target:
+            return total, int(row["epoch"])
+    return None
+
+
+def profile_categories(profiles: list[dict]) -> list[str]:
+    """The op categories that took time in any of ``profiles``, in the profiler's order."""
+    order = next((p["category_order"] for p in profiles if p.get("category_order")), [])
+    seen = [c for p in profiles for c in p.get("categories", {})]
+    return [c for c in order if c in seen] + [c for c in dict.fromkeys(seen) if c not in order]
+
+
+def compare(base: dict, run: dict, peak_ratio: float | None = None) -> dict | None:
+    """Category by category, base ms / run ms; and the Amdahl bounds from the base profile.
+
+    Which categories are tensor-core work, and which are work a precision adds (casts, loss scaling), the
+    profile itself says (``category_roles``), so the report needs no training code to know.
+    """
+    bp, rp = base.get("profile") or {}, run.get("profile") or {}
+    if not bp.get("categories") or not rp.get("categories"):
+        return None
+    roles = bp.get("category_roles") or {}
+    rows = {}
+    for cat in profile_categories([bp, rp]):
+        b = bp["categories"].get(cat, {}).get("ms_per_step")
+        r = rp["categories"].get(cat, {}).get("ms_per_step")
+        if b or r:
+            rows[cat] = {"base_ms": b or 0.0, "ms": r or 0.0, "speedup": b / r if b and r else None,
+                         "role": roles.get(cat)}
+    tc = sum(c.get("ms_per_step", 0.0) for cat, c in bp["categories"].items() if roles.get(cat) == "tensor_core")
+    share = tc / bp["wall_ms_per_step"] if bp["wall_ms_per_step"] else 0.0
+    out = {"categories": rows, "tensor_core_share": share,
+           "amdahl_bound": 1 / (1 - share) if share < 1 else None,
+           "step_speedup": ratio(bp["wall_ms_per_step"], rp["wall_ms_per_step"])}
+    if peak_ratio:
+        out["peak_ratio"] = peak_ratio
+        out["amdahl_bound_at_peak"] = 1 / ((1 - share) + share / peak_ratio)
+    return out
+
+
+def headline(summary: dict) -> str | None:
+    """The variant the verdict speaks of: fp16 without accumulation, else any non-baseline variant."""
+    rows = summary["variants"]
+    for name, r in rows.items():
+        if r["precision"] == "fp16" and r["accum_steps"] == 1 and r.get("speedup") is not None:
+            return name
+    return next((n for n, r in rows.items() if n != summary["baseline"] and r.get("speedup") is not None), None)
+
+
+def _variant(name: str, run: dict, base: dict | None, target_acc: float) -> dict:
+    """One variant's row: its own figures, and its ratios against the baseline run ``base``."""
+    m = run["metrics"]
+    row = {key: m.get(key) for key in COPIED}
+    row.update(repeats=m.get("repeats", 1), status=m.get("status", "complete"),
+               step_time_ms_median=(m.get("step_time_ms") or {}).get("median"))
+    row["profile"] = m.get("profile")
+    if target_acc:
+        reached = time_to_accuracy(run["history"], target_acc)
+        row["time_to_target_s"], row["time_to_target_epoch"] = reached or (None, None)
+    spread = measure.throughput_spread(m.get("batch_size"), m.get("step_time_ms"))
+    row["imgs_per_s_p10_p90"] = list(spread[1:]) if spread else None
+    if base is not None:
+        bm = base["metrics"]
+        row.update(speedup_with_ci(base, run))
+        row["mem_ratio"] = ratio(row["peak_mem_bytes"], bm.get("peak_mem_bytes"))
+        row["activation_ratio"] = ratio(row["activation_bytes"], bm.get("activation_bytes"))
+        acc, b_acc = row["final_acc"], bm.get("final_acc")
+        row["acc_diff"] = None if acc is None or b_acc is None else acc - b_acc
+    return row
+
+
+def summarize(runs: dict[str, dict], target_acc: float = 0.0, sweep_json: dict | None = None) -> dict:
+    """Every number the report shows: per-variant rows and ratios, the profile comparison, sweep, scaling."""
+    base = pick_baseline(runs)
+    out = {"baseline": base, "variants": {}, "target_acc": target_acc or None, "profile_comparison": {}}
+    for name, run in runs.items():
+        out["variants"][name] = _variant(name, run, runs[base] if base else None, target_acc)
+        if base and name != base:
+            bm, m = runs[base]["metrics"], run["metrics"]
+            cmp = compare(bm, m, ratio(m.get("peak_tflops_datasheet"), bm.get("peak_tflops_datasheet")))
+            if cmp:
+                out["profile_comparison"][name] = cmp
+    out["headline"] = headline(out)
+    out["sweep"] = sweep(sweep_json)
+    out["scaling"] = scaling(runs)
+    return out
+
+
+def sweep(found: dict | None) -> dict | None:
+    """The sweep as the report shows it: points by precision, the largest batches and their ratio to fp32's."""
+    if not found or not found.get("enabled"):
+        return None
+    by_prec: dict[str, list[dict]] = {}
+    for p in found["points"]:
+        by_prec.setdefault(p["variant"], []).append(p)
+    largest_found = found.get("largest") or {}
+    largest = {k: dict(largest_found[k]) for k in found.get("precisions", largest_found) if k in largest_found}
+    base = (largest.get("fp32") or {}).get("largest_batch")
+    for row in largest.values():
+        row["vs_fp32"] = row["largest_batch"] / base if base and row.get("largest_batch") else None
+    return {"device": found["device"], "steps": found["steps"], "points": by_prec, "largest": largest,
+            "reused_points": found.get("reused_points"), "measured_points": found.get("measured_points")}
+
+
+def sweep_memory(point: dict, device: str) -> int | None:
+    """The memory a sweep point is shown with: CUDA peak allocated on a GPU, activation bytes elsewhere."""
+    return point.get("peak_mem_bytes") if device == "cuda" else point.get("activation_bytes")
+
+
+def _same_work(m: dict) -> tuple:
+    return m.get("precision"), m.get("accum_steps")
+
+
+def scaling(runs: dict[str, dict]) -> dict | None:
+    """Data-parallel rows (each DDP variant against the one-process run of the same precision and accumulation)
+    and the grad_comm comparisons; None when every variant ran in one process.
+
+    Nothing is compared across pipelines: a pair that did not both run here has no ratio.
+    """
+    metrics = {name: run["metrics"] for name, run in runs.items()}
+    if not any((m.get("world_size") or 1) > 1 for m in metrics.values()):
+        return None
+    single = {}
+    for name, m in metrics.items():
+        if (m.get("world_size") or 1) == 1 and m.get("imgs_per_s"):
+            single.setdefault(_same_work(m), name)
+    rows = [_scaling_row(name, m, single.get(_same_work(m)), metrics) for name, m in metrics.items()
+            if (m.get("world_size") or 1) > 1]
+    comms = []
+    for row in rows:
+        if row["grad_comm"] in (None, "none"):
+            continue
+        base = next((r for r in rows if r["grad_comm"] == "none" and r["world_size"] == row["world_size"]
+                     and _same_work(metrics[r["variant"]]) == _same_work(metrics[row["variant"]])), None)
+        if base is None:
+            comms.append({"variant": row["variant"], "grad_comm": row["grad_comm"], "against": None})
+            continue
+        acc, b_acc = row["final_acc"], base["final_acc"]
+        comms.append({"variant": row["variant"], "grad_comm": row["grad_comm"], "against": base["variant"],
+                      "throughput_ratio": ratio(row["imgs_per_s"], base["imgs_per_s"]),
+                      "acc_diff": acc - b_acc if acc is not None and b_acc is not None else None,
+                      "exposed_comm_share": row["exposed_comm_share"],
+                      "against_exposed_comm_share": base["exposed_comm_share"]})
+    return {"rows": rows, "grad_comm": comms}
+
+
+def _scaling_row(name: str, m: dict, ref: str | None, metrics: dict[str, dict]) -> dict:
+    world, ips = m["world_size"], m.get("imgs_per_s")
+    ref_ips = metrics[ref]["imgs_per_s"] if ref else None
+    profile = m.get("profile") or {}
+    comm_ms = ((profile.get("categories") or {}).get("communication") or {}).get("ms_per_step")
+    return {"variant": name, "world_size": world, "backend": m.get("backend"), "grad_comm": m.get("grad_comm"),
+            "imgs_per_s": ips, "imgs_per_s_per_process": ips / world if ips else None,
+            "single_variant": ref, "single_imgs_per_s": ref_ips, "threads": m.get("cpu_threads"),
+            "single_threads": metrics[ref].get("cpu_threads") if ref and m.get("device") == "cpu" else None,
+            "speedup_vs_single": ratio(ips, ref_ips), "efficiency": ratio(ips, world * ref_ips) if ref_ips else None,
+            "exposed_comm_share": (profile.get("communication") or {}).get("exposed_share"),
+            "comm_ms_per_step": comm_ms, "peak_mem_bytes": m.get("peak_mem_bytes"), "final_acc": m.get("final_acc")}

@@ -1,0 +1,141 @@
+"""The report's first paragraph, in plain language, from the summary's numbers: what the headline variant
+bought against strict FP32, why (the environment and the step profile), and one sentence each for the
+batch-size sweep and data-parallel scaling.
+
+``why`` is the profile's explanation of one variant against the baseline: the verdict gives it for the
+headline variant, the profile section for the others.
+"""
+
+from __future__ import annotations
+
+from ampbench.report import fmt
+
+
+def _reasons(r: dict, base: dict, env: dict) -> list[str]:
+    """Why mixed precision may not pay off here, from what the environment and the run show."""
+    gpu = env.get("gpu")
+    out = []
+    if not gpu:
+        out.append("this ran on a CPU, which has no fp16 tensor cores: fp16 arithmetic is emulated there")
+    elif not gpu.get("tensor_cores"):
+        out.append(f"{gpu['name']} has no tensor cores")
+    if gpu and (base.get("peak_precision") == "tf32"):
+        out.append("the FP32 baseline ran with TF32 tensor cores (allow_tf32: true), so it was already fast")
+    if (r.get("data_time_fraction") or 0) > 0.3:
+        out.append(f"data loading took {r['data_time_fraction']:.0%} of each step")
+    if gpu and (r.get("step_time_ms_median") or 1e9) < 5:
+        out.append(f"steps are short ({r['step_time_ms_median']:.1f} ms), so kernel launch overhead weighs heavily")
+    return out
+
+
+def _speed(r: dict) -> str:
+    sp, (lo, hi) = r["speedup"], r.get("speedup_ci95") or [None, None]
+    one_process = (r.get("speedup_ci_method") or "").startswith("bootstrap")
+    ci = ""
+    if lo is not None and hi is not None:
+        source = ", from one process's step times" if one_process else ""
+        ci = f" (95% CI {fmt.ratio(lo)} to {fmt.ratio(hi)}{source})"
+    if lo is not None and lo > 1.02:
+        return f"trained {fmt.times(sp)} faster{ci} than strict FP32"
+    if hi is not None and hi < 0.98:
+        return f"was slower than FP32: {fmt.times(sp)} its throughput{ci}"
+    return f"was no faster than FP32 ({fmt.times(sp)}{ci})"
+
+
+def _memory(r: dict) -> str:
+    mem = r.get("mem_ratio")
+    if mem is None:
+        text = "with peak memory not measured"
+    elif abs(mem - 1) < 0.005:
+        text = "with the same peak memory (within 0.5%)"
+    else:
+        text = f"using {abs(mem - 1):.0%} {'less' if mem < 1 else 'more'} peak memory"
+    act = r.get("activation_ratio")
+    if act is not None:
+        text += f" and {abs(act - 1):.0%} {'less' if act < 1 else 'more'} activation memory"
+    return text
+
+
+def _accuracy(r: dict, base: dict) -> str:
+    acc, b_acc, diff = r.get("final_acc"), base.get("final_acc"), r.get("acc_diff")
+    if acc is None or b_acc is None:
+        return ""
+    spread = max(r.get("final_acc_std") or 0, base.get("final_acc_std") or 0)
+    if spread and abs(diff) <= 2 * spread:
+        judged = f"within run-to-run spread (sd {spread * 100:.2f} points)"
+    else:
+        judged = f"a difference of {diff * 100:+.2f} points" + ("" if spread else " from a single run each, so its "
+                                                                                  "spread is unknown")
+    return f"; final accuracy {acc:.2%} against {b_acc:.2%}, {judged}"
+
+
+def verdict(summary: dict, env: dict) -> str:
+    """The headline variant against the baseline: speed with its interval, memory, accuracy, and why."""
+    name, base_name = summary.get("headline"), summary["baseline"]
+    if name is None or base_name is None:
+        return ("There is no FP32 baseline and FP16 variant pair among the finished runs, so there is no verdict; "
+                "the table below shows what was measured.")
+    r, base = summary["variants"][name], summary["variants"][base_name]
+    where = env["gpu"]["name"] if env.get("gpu") else f"this CPU ({env.get('cpu_model')})"
+    text = f"On {where}, {name} (FP16-AMP) {_speed(r)}, {_memory(r)}{_accuracy(r, base)}."
+    lo = (r.get("speedup_ci95") or [None])[0]
+    if not (lo is not None and lo > 1.02):
+        reasons = _reasons(r, base, env)
+        if reasons:
+            text += " Why: " + "; ".join(reasons) + "."
+    if r.get("skipped_steps"):
+        text += f" The loss scaler skipped {r['skipped_steps']} overflowing steps."
+    cmp = (summary.get("profile_comparison") or {}).get(name)
+    if cmp:
+        text += " " + why(name, base_name, cmp)
+    return text
+
+
+def why(name: str, base_name: str, cmp: dict) -> str:
+    """Which categories got faster and by how much, what the precision added, and the Amdahl bound."""
+    cats = {c: r for c, r in cmp["categories"].items()
+            if r["speedup"] is not None and r["base_ms"] > 0 and r.get("role") != "unattributed"}
+    big = sorted(cats, key=lambda c: -max(cats[c]["base_ms"], cats[c]["ms"]))[:3]  # where the time is
+    parts = [f"{c} {fmt.faster(cats[c]['speedup'])} ({cats[c]['base_ms']:.3g} -> {cats[c]['ms']:.3g} ms)"
+             for c in big]
+    text = f"The step profile ({name} against {base_name}, ms per step) says where: " + ", ".join(parts) + "."
+    added = [f"{row['ms'] - row['base_ms']:.3g} ms of {c}" for c, row in cmp["categories"].items()
+             if row.get("role") == "precision_overhead" and row["ms"] > row["base_ms"]]
+    if added:
+        text += f" {name} added " + " and ".join(added) + " per step."
+    bound = cmp.get("amdahl_bound")
+    if bound:
+        text += (f" Convolutions and matmuls were {cmp['tensor_core_share']:.0%} of the fp32 step, so even if "
+                 f"tensor cores made them free the step could be at most {fmt.times(bound)} faster (an Amdahl bound")
+        if cmp.get("amdahl_bound_at_peak"):
+            text += (f"; {fmt.times(cmp['amdahl_bound_at_peak'])} at the datasheet's {cmp['peak_ratio']:.1f}x "
+                     "fp16/fp32 peak ratio")
+        text += ")."
+    return text
+
+
+def sweep_sentence(s: dict | None) -> str:
+    """How much larger a batch each precision fits than fp32."""
+    if not s:
+        return ""
+    parts = [f"{prec} fits {row['vs_fp32']:.2f}x the batch of fp32 ({row['largest_batch']:,} against "
+             f"{s['largest']['fp32']['largest_batch']:,} images{', estimated' if row['method'] == 'estimate' else ''})"
+             for prec, row in s["largest"].items() if prec != "fp32" and row.get("vs_fp32")]
+    return f" In the batch-size sweep, {'; '.join(parts)}." if parts else ""
+
+
+def scaling_sentence(s: dict | None) -> str:
+    """How each DDP variant scaled against its one-process run."""
+    if not s:
+        return ""
+    parts = [f"{r['variant']} ran {r['speedup_vs_single']:.2f}x as fast as in one process, "
+             f"{r['efficiency']:.0%} scaling efficiency" for r in s["rows"] if r["efficiency"]]
+    if not parts:
+        return ""
+    world, backend = s["rows"][0]["world_size"], s["rows"][0]["backend"]
+    return f" Data-parallel over {world} processes ({backend}): {'; '.join(parts)}."
+
+
+def paragraph(summary: dict, env: dict) -> str:
+    """The whole first paragraph."""
+    return verdict(summary, env) + sweep_sentence(summary.get("sweep")) + scaling_sentence(summary.get("scaling"))
