@@ -19,8 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ampbench import data, env, measure
+from ampbench import data, env
 from ampbench.config import AmpConfig, MlflowConfig, ModelConfig, TrainConfig
+from ampbench.measure import stats
+from ampbench.precision import amp_settings, unsupported
 from ampbench.runplan import RunPlan
 from ampbench.train import runner
 
@@ -39,7 +41,7 @@ def plan_for(name, precision, accum, tf32, args, epochs=1, repeats=None) -> RunP
                    model=ModelConfig(arch=args.arch, channels_last=True),
                    train=TrainConfig(epochs=epochs, batch_size=args.batch, warmup_steps=args.warmup,
                                      allow_tf32=tf32, repeats=repeats),
-                   amp=AmpConfig() if precision == "fp16" else None, mlflow=MlflowConfig(enabled=False))
+                   amp=amp_settings(precision, AmpConfig()), mlflow=MlflowConfig(enabled=False))
 
 
 def _gib(n) -> str:
@@ -66,8 +68,9 @@ def main() -> None:
     speed_data = data.synthetic_in_memory(args.steps * args.batch, args.batch, seed=0, device=args.device)
     rows = {}
     for name, precision, accum, tf32 in VARIANTS:
-        if precision == "bf16" and args.device == "cuda" and not info["gpu"]["bf16_supported"]:
-            print(f"{name}: skipped, this GPU has no native bf16")
+        reason = unsupported(precision, info["gpu"]) if args.device == "cuda" else None
+        if reason:
+            print(f"{name}: skipped: {reason}")
             continue
         result = runner.train_repeats(plan_for(name, precision, accum, tf32, args), speed_data, progress=False)
         rows[name] = result.metrics
@@ -88,7 +91,7 @@ def main() -> None:
         vs = {}
         for label, ref in (("vs_fp32", base), ("vs_tf32", tf32_runs)):
             if ref and len(ref) >= 2 and len(m["imgs_per_s_runs"]) >= 2:
-                vs[label] = measure.ratio_ci_from_repeats(m["imgs_per_s_runs"], ref)
+                vs[label] = stats.ratio_ci_from_repeats(m["imgs_per_s_runs"], ref)
             elif ref:
                 vs[label] = (m["imgs_per_s"] / (sum(ref) / len(ref)), None, None)
         table.append({"variant": name, "precision": m["precision"], "accum_steps": m["accum_steps"],

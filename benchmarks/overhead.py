@@ -31,8 +31,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ampbench import config, data, models
 from ampbench.config import MlflowConfig, ModelConfig, ProfileConfig, TrainConfig
-from ampbench.measure import synchronize
-from ampbench.precision import DTYPES
+from ampbench.measure.clock import synchronize
+from ampbench.precision import DTYPES, amp_settings, spec
 from ampbench.runplan import RunPlan
 from ampbench.train import runner
 
@@ -44,7 +44,7 @@ def recipe_loop(batches, arch: str, channels_last: bool, precision: str, device:
     model = models.build(ModelConfig(arch=arch, channels_last=channels_last), num_classes=10, image_size=32,
                          device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
-    scaler = torch.amp.GradScaler(device, enabled=precision == "fp16")
+    scaler = torch.amp.GradScaler(device, enabled=spec(precision).grad_scaler)
     seen, start = 0, None
     for step, (x, y) in enumerate(batches):  # the batches' own work (loading, indexing) is timed too
         if step == warmup:
@@ -52,7 +52,7 @@ def recipe_loop(batches, arch: str, channels_last: bool, precision: str, device:
             start = time.perf_counter()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # a no-op when already there
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=DTYPES[precision], enabled=precision != "fp32"):
+        with torch.autocast(device, dtype=DTYPES[precision], enabled=spec(precision).autocast_dtype is not None):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -103,7 +103,7 @@ def main() -> None:
         return RunPlan(variant="engine", precision=args.precision, accum_steps=1, device=args.device, seed=0,
                        model=ModelConfig(arch=args.arch, channels_last=True),
                        train=TrainConfig(epochs=1, batch_size=args.batch, warmup_steps=args.warmup, augment=augment),
-                       amp=config.AmpConfig() if args.precision == "fp16" else None,
+                       amp=amp_settings(args.precision, config.AmpConfig()),
                        mlflow=MlflowConfig(enabled=False), profile=ProfileConfig(steps=0))
 
     print(f"{args.arch}, {args.precision}, batch {args.batch}, {args.images} images, {args.device}, "

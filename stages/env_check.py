@@ -24,12 +24,13 @@ def main() -> None:
     ap.add_argument("--env", required=True, help="where to write env.json")
     ap.add_argument("--plans", required=True, help="folder for one <variant>.json plan per variant")
     ap.add_argument("--data-source", required=True, help="where to write what the data stage will make")
+    ap.add_argument("--model-source", required=True, help="where to write the model's source (the sweep's dep)")
     args = ap.parse_args()
 
     cfg = config.load(args.params)  # every check happens before anything is written
+    desc = data.describe(cfg.data)  # the data source checks its own files (an archive, a folder) first
     info = env.probe()
     device = env.resolve_device(cfg.device, info, {v.precision for v in cfg.variants.values()})
-    desc = data.describe(cfg.data)
     env.check_fits(data.resident_bytes(desc, cfg.train.augment), desc, device, info)
     model = models.check(cfg.model, num_classes=desc["num_classes"],
                          image_size=models.input_size(cfg.model, desc["image_size"]))
@@ -56,6 +57,8 @@ def main() -> None:
     atomic_write(Path(args.env), json.dumps(info, indent=2, sort_keys=True) + "\n")
     atomic_write(Path(args.data_source), json.dumps({"data": config.to_dict(cfg.data), "seed": cfg.seed, **desc},
                                                     indent=2, sort_keys=True) + "\n")
+    atomic_write(Path(args.model_source), json.dumps(models.source_record(cfg.model), indent=2,
+                                                     sort_keys=True) + "\n")
     plan_dir = Path(args.plans)
     plan_dir.mkdir(parents=True, exist_ok=True)
     for stale in plan_dir.glob("*.json"):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ampbench import config, data, env, results, runplan
 from ampbench.errors import NonFiniteTraining, run_cli
-from ampbench.sysmon import SystemMonitor
+from ampbench.measure.sysmon import SystemMonitor
 from ampbench.train import checkpoint, distributed, metrics, runner
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from ampbench.errors import run_cli
 from ampbench.sandbox import REPO_ROOT
-from tests.test_config import BAD, _set
+from tests.test_config import BAD, SOURCE_BAD, _set
 
 CASES = [(f"{k}={v!r}", k, v, words) for k, v, words in BAD] + [
     ("empty file", None, None, ["params.yaml is empty"]),
@@ -43,6 +43,15 @@ def test_bad_params_exit_2_with_one_line_and_change_nothing(tmp_path, monkeypatc
     else:
         text = value or ""
     _assert_rejected(tmp_path, monkeypatch, capsys, text, words)
+
+
+@pytest.mark.parametrize(("changes", "words"), SOURCE_BAD, ids=[next(reversed(c)) for c, _ in SOURCE_BAD])
+def test_a_missing_archive_or_folder_exits_2_from_its_data_source(tmp_path, monkeypatch, capsys, real_params,
+                                                                  changes, words):
+    params = copy.deepcopy(real_params)
+    for key, value in changes.items():
+        _set(params, key, value)
+    _assert_rejected(tmp_path, monkeypatch, capsys, yaml.safe_dump(params), words)
 
 
 # What this machine cannot run (a CPU here): stopped by env_check before anything starts.
@@ -98,7 +107,8 @@ def _assert_rejected(tmp_path, monkeypatch, capsys, text: str, words: list[str])
     before = _snapshot(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["env_check.py", "--params", "params.yaml", "--env", "reports/env.json",
-                                      "--plans", "reports/plans", "--data-source", "reports/data_source.json"])
+                                      "--plans", "reports/plans", "--data-source", "reports/data_source.json",
+                                      "--model-source", "reports/model_source.json"])
     with pytest.raises(SystemExit) as exit_info:
         run_cli(_stage().main)
     assert exit_info.value.code == 2

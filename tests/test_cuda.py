@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampbench import config, data, measure, runplan
+from ampbench import config, data, runplan
+from ampbench.measure import clock
 from ampbench.train import runner
 
 pytestmark = pytest.mark.requires_cuda
@@ -25,7 +26,7 @@ def test_one_epoch_on_cuda(tiny_params, variant):
 
 
 def test_cuda_event_timer_sees_queued_work():
-    timer = measure.StepTimer("cuda")
+    timer = clock.StepTimer("cuda")
     a = torch.randn(2048, 2048, device="cuda")
     timer.start()
     for _ in range(20):

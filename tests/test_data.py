@@ -218,10 +218,17 @@ def test_cifar100_downloads_through_the_same_path(tmp_path):
 
 
 def test_cifar100_official_url_and_checksum_are_the_default():
+    from ampbench.data import cifar
     cfg = DataConfig(source="cifar100")
-    assert config.source_url(cfg).endswith("/cifar-100-python.tar.gz")
-    assert config.source_md5(cfg) == "eb9058c3a382ffc7106e4002c42a8d85"
-    assert config.source_url(DataConfig()).endswith("/cifar-10-python.tar.gz")
+    assert cifar.source_url(cfg).endswith("/cifar-100-python.tar.gz")
+    assert cifar.source_md5(cfg) == "eb9058c3a382ffc7106e4002c42a8d85"
+    assert cifar.source_url(DataConfig()).endswith("/cifar-10-python.tar.gz")
+
+
+def test_every_data_source_params_yaml_accepts_is_registered_with_describe_and_read():
+    assert tuple(data.SOURCES) == config.DATA_SOURCES
+    for source in data.SOURCES.values():
+        assert callable(source.describe) and callable(source.read) and isinstance(source.SUBSETS_TEST, bool)
 
 
 def _png_folder(root: Path, classes: dict[str, int], size=(20, 12), seed=0) -> None:

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ampbench import config, data, models, runplan, step
+from ampbench import config, data, models, runplan
 from ampbench.data import DeviceBatches
 from ampbench.precision import PrecisionPolicy
-from ampbench.train import distributed
+from ampbench.train import distributed, step
 from ampbench.train.engine import Trainer
 
 WORLD = 2
@@ -307,6 +307,15 @@ def _history(repo: Path, variant: str) -> list[list[str]]:
     return [r.split(",")[:5] for r in rows]  # epoch, train loss, eval loss, eval accuracy, lr
 
 
+def _same_history(rows: list[list[str]], reference: list[list[str]]) -> bool:
+    """The same epochs, and the same losses, accuracy and lr to float32 rounding: resuming mid-epoch under DDP
+    sums the epoch's loss over the ranks at the stop and again at the end, in another order than one run."""
+    if len(rows) != len(reference) or rows[0] != reference[0]:
+        return False
+    return all(a[0] == b[0] and [float(x) for x in a[1:]] == pytest.approx([float(x) for x in b[1:]], rel=1e-6)
+               for a, b in zip(rows[1:], reference[1:], strict=True))
+
+
 @pytest.mark.slow
 def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     from mlflow.tracking import MlflowClient
@@ -429,7 +438,7 @@ def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(ddp
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
     rows = (tmp_path / "out" / "history.csv").read_text().splitlines()
-    assert [r.split(",")[:5] for r in rows] == _history(reference, "fp32")
+    assert _same_history([r.split(",")[:5] for r in rows], _history(reference, "fp32"))
 
 
 def _agree_worker(rank: int, port: int, folder: str) -> None:

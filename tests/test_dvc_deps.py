@@ -5,53 +5,23 @@ The imports are read from the source (function-level ones too), and followed fro
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ampbench import env
 from ampbench.sandbox import REPO_ROOT
 
 STAGES = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
-SRC = REPO_ROOT / "src"
 # Modules that change no output DVC tracks: the version, error messages and exit codes, MLflow logging.
 EXEMPT = {"src/ampbench/__init__.py", "src/ampbench/errors.py", "src/ampbench/tracking.py"}
 
 
-def _file(module: str) -> Path | None:
-    base = SRC / Path(*module.split("."))
-    for path in (base.with_suffix(".py"), base / "__init__.py"):
-        if path.is_file():
-            return path
-    return None
-
-
-def _imports(path: Path) -> set[Path]:
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for name in names:
-            if name.split(".")[0] == "ampbench" and (f := _file(name)):
-                out.add(f)
-                parts = name.split(".")
-                out |= {f for i in range(1, len(parts)) if (f := _file(".".join(parts[:i])))}  # packages on the way
-    return out
-
-
 def reached(script: Path) -> set[str]:
-    seen, todo = set(), [script]
-    while todo:
-        for f in _imports(todo.pop()):
-            if f not in seen and f.relative_to(REPO_ROOT).as_posix() not in EXEMPT:  # not followed either
-                seen.add(f)
-                todo.append(f)
-    return {f.relative_to(REPO_ROOT).as_posix() for f in seen}
+    skip = frozenset(REPO_ROOT / f for f in EXEMPT)
+    return {f.relative_to(REPO_ROOT).as_posix() for f in env.source_files(script, skip)}
 
 
 @pytest.mark.parametrize("name", list(STAGES))

@@ -56,9 +56,10 @@ def test_warnings_for_old_driver_and_no_tensor_cores():
 
 
 def test_set_tf32_flags():
-    assert env.set_tf32(False) == {"matmul_fp32_precision": "ieee", "cudnn_conv_fp32_precision": "ieee"}
-    assert env.set_tf32(True)["matmul_fp32_precision"] == "tf32"
-    env.set_tf32(False)
+    from ampbench import precision
+    assert precision.set_tf32(False) == {"matmul_fp32_precision": "ieee", "cudnn_conv_fp32_precision": "ieee"}
+    assert precision.set_tf32(True)["matmul_fp32_precision"] == "tf32"
+    precision.set_tf32(False)
 
 
 def _env_check(tmp_path, params: dict | str):
@@ -68,7 +69,9 @@ def _env_check(tmp_path, params: dict | str):
     return subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--params", str(p),
                            "--env", str(tmp_path / "reports" / "env.json"), "--plans",
                            str(tmp_path / "reports" / "plans"), "--data-source",
-                           str(tmp_path / "reports" / "data_source.json")], capture_output=True, text=True, timeout=120)
+                           str(tmp_path / "reports" / "data_source.json"), "--model-source",
+                           str(tmp_path / "reports" / "model_source.json")],
+                          capture_output=True, text=True, timeout=120)
 
 
 @pytest.mark.skipif(env.probe()["cuda_available"], reason="this machine has CUDA")

@@ -6,38 +6,38 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import measure
+from ampbench.measure import clock, memory, stats
 
 
 def test_percentiles_match_numpy_linear():
     v = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert measure.percentile(v, 50) == 3.0
-    assert measure.percentile(v, 10) == pytest.approx(1.4)
-    assert measure.percentile(v, 90) == pytest.approx(4.6)
-    assert measure.summarize_ms(v) == {"median": 3.0, "p10": pytest.approx(1.4), "p90": pytest.approx(4.6), "n": 5}
+    assert stats.percentile(v, 50) == 3.0
+    assert stats.percentile(v, 10) == pytest.approx(1.4)
+    assert stats.percentile(v, 90) == pytest.approx(4.6)
+    assert stats.summarize_ms(v) == {"median": 3.0, "p10": pytest.approx(1.4), "p90": pytest.approx(4.6), "n": 5}
 
 
 def test_mean_std():
-    assert measure.mean_std([2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]) == (5.0, pytest.approx(2.138, abs=1e-3))
-    assert measure.mean_std([3.0]) == (3.0, 0.0)
+    assert stats.mean_std([2.0, 4.0, 4.0, 4.0, 5.0, 5.0, 7.0, 9.0]) == (5.0, pytest.approx(2.138, abs=1e-3))
+    assert stats.mean_std([3.0]) == (3.0, 0.0)
 
 
 def test_bootstrap_interval_brackets_the_true_ratio():
     g = torch.Generator().manual_seed(1)
     base = (10 + torch.randn(400, generator=g)).tolist()
     fast = (5 + 0.5 * torch.randn(400, generator=g)).tolist()
-    lo, hi = measure.bootstrap_ratio_ci(base, fast)
+    lo, hi = stats.bootstrap_ratio_ci(base, fast)
     assert lo < 2.0 < hi and hi - lo < 0.2
 
 
 def test_saved_tensor_meter_counts_a_linear_layers_input_exactly():
     lin = nn.Linear(256, 8, bias=False)
     x = torch.randn(32, 256, requires_grad=False)
-    meter = measure.SavedTensorMeter()
+    meter = memory.SavedTensorMeter()
     with meter.measure():
         lin(x)
     assert meter.bytes == 32 * 256 * 4  # linear saves its input for the weight gradient; the weight is a parameter
-    half = measure.SavedTensorMeter()
+    half = memory.SavedTensorMeter()
     with half.measure(), torch.autocast("cpu", dtype=torch.float16):
         lin(x)
     # under fp16 autocast it saves the fp16 copy of the input: exactly half the bytes
@@ -45,14 +45,14 @@ def test_saved_tensor_meter_counts_a_linear_layers_input_exactly():
 
 
 def test_cpu_timer_and_peak_memory():
-    timer = measure.StepTimer("cpu")
+    timer = clock.StepTimer("cpu")
     for _ in range(3):
         timer.start()
         torch.randn(100, 100) @ torch.randn(100, 100)
         timer.stop()
     times = timer.read_ms()
     assert len(times) == 3 and all(t > 0 for t in times) and timer.read_ms() == []
-    mem = measure.peak_memory("cpu")
+    mem = memory.peak_memory("cpu")
     assert mem["mem_meter"] == "process_peak_rss" and mem["peak_mem_bytes"] > 10 * 2**20
 
 
@@ -61,19 +61,19 @@ def test_optimizer_state_bytes():
     opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     p.grad = torch.ones(10)
     opt.step()
-    assert measure.optimizer_state_bytes(opt) == 40
+    assert memory.optimizer_state_bytes(opt) == 40
 
 
 def test_ratio_interval_from_repeats_matches_hand_computation():
     import math
-    ratio, lo, hi = measure.ratio_ci_from_repeats([30.0, 32.0, 28.0], [10.0, 11.0, 9.0])
+    ratio, lo, hi = stats.ratio_ci_from_repeats([30.0, 32.0, 28.0], [10.0, 11.0, 9.0])
     assert ratio == pytest.approx(3.0)
     se = math.sqrt(2.0 ** 2 / (3 * 30.0 ** 2) + 1.0 ** 2 / (3 * 10.0 ** 2))
     assert lo == pytest.approx(3.0 * math.exp(-4.303 * se)) and hi == pytest.approx(3.0 * math.exp(4.303 * se))
 
 
 def test_flop_count_of_a_known_layer():
-    from ampbench import flops
+    from ampbench.measure import flops
     lin = nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 10, bias=False))
     x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
     # forward 2*in*out per image; backward: weight gradient only (the input needs none), another 2*in*out
@@ -81,11 +81,25 @@ def test_flop_count_of_a_known_layer():
 
 
 def test_datasheet_peaks():
-    from ampbench import flops
+    from ampbench.measure import flops
     assert flops.datasheet_peak("NVIDIA H200", "bf16") == 989.4
     assert flops.datasheet_peak("NVIDIA L40S", "fp16") is None  # not L4
     assert flops.datasheet_peak(None, "fp16") is None
-    assert flops.peak_precision("fp32", allow_tf32=True) == "tf32"
+
+
+def test_what_a_precision_means_is_said_once():
+    from ampbench import config, precision
+    assert tuple(precision.SPECS) == config.PRECISIONS  # every precision params.yaml accepts has its spec
+    assert precision.datasheet_column("fp32", allow_tf32=True) == "tf32"
+    assert precision.datasheet_column("fp32", allow_tf32=False) == "fp32"
+    assert precision.datasheet_column("bf16", allow_tf32=True) == "bf16"
+    amp = config.AmpConfig(init_scale=1024)
+    assert precision.amp_settings("fp16", amp) is amp
+    assert precision.amp_settings("bf16", amp) is None and precision.amp_settings("fp32", amp) is None
+    t4 = {"name": "Tesla T4", "capability": "7.5", "bf16_supported": False}
+    assert "has no native bf16; remove that variant or use fp16" in precision.unsupported("bf16", t4)
+    assert precision.unsupported("fp16", t4) is None and precision.unsupported("bf16", None) is None
+    assert precision.unsupported("bf16", {**t4, "bf16_supported": True}) is None
 
 
 class _FakeEvent:
@@ -107,7 +121,7 @@ def test_cuda_timer_records_events_and_syncs_only_when_read(monkeypatch):
     _FakeEvent.log = []
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: _FakeEvent.log.append("sync"))
-    timer = measure.StepTimer.__new__(measure.StepTimer)
+    timer = clock.StepTimer.__new__(clock.StepTimer)
     timer.cuda, timer._open, timer._pairs = True, [], []
     for _ in range(3):
         timer.start()
@@ -120,6 +134,41 @@ def test_cuda_timer_records_events_and_syncs_only_when_read(monkeypatch):
 def test_wall_clock_syncs_before_and_after(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: calls.append("sync"))
-    with measure.wall_clock("cuda") as clock:
+    with clock.wall_clock("cuda") as wall:
         calls.append("work")
-    assert calls == ["sync", "work", "sync"] and clock["s"] >= 0
+    assert calls == ["sync", "work", "sync"] and wall["s"] >= 0
+
+
+def test_step_clock_times_data_compute_and_the_whole_cycle_after_warm_up(monkeypatch):
+    """A fake host clock: each step's data takes 1 ms, its compute 3 ms, the host 0.5 ms between steps."""
+    now = [0.0]
+    monkeypatch.setattr(clock.time, "perf_counter", lambda: now[0])
+
+    def advance(ms):
+        now[0] += ms / 1000
+
+    c = clock.StepClock("cpu", warmup=2)
+    c.begin()
+    for images in (8, 8, 8, 8, 4):  # the last batch of an epoch is short
+        with c.data():
+            advance(1)
+        with c.compute():
+            advance(3)
+        c.step_done(images)
+        advance(0.5)
+    images, cycle_ms = c.end()
+    assert images == 20 and c.timed_images == 20  # the two warm-up steps are not counted
+    assert c.data_ms == pytest.approx([1, 1, 1]) and c.compute_ms == pytest.approx([3, 3, 3])
+    assert c.cycle_ms == pytest.approx([4.5, 4.5, 4.5]) and cycle_ms == pytest.approx(13.5)
+    assert c.imgs_per_s() == pytest.approx(20 / 0.0135)  # timed images over summed cycle time
+    assert c.step_rates() == pytest.approx([8 / 0.0045, 8 / 0.0045, 4 / 0.0045])
+    resumed = clock.StepClock("cpu", warmup=2)
+    resumed.load_state_dict(c.state_dict())
+    assert resumed.imgs_per_s() == c.imgs_per_s() and resumed.process_steps == 0  # a resumed process warms up
+    resumed.begin()
+    for _ in range(3):
+        with resumed.data(), resumed.compute():
+            advance(2)
+        resumed.step_done(8)
+    resumed.end()
+    assert resumed.timed_images == 28 and len(resumed.cycle_ms) == 4

@@ -11,12 +11,12 @@ import pytest
 import torch
 import yaml
 
-from ampbench import config, data, models, numerics, runplan, step
+from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig, ModelConfig
 from ampbench.errors import ConfigError
 from ampbench.precision import PrecisionPolicy
 from ampbench.sandbox import REPO_ROOT
-from ampbench.train import runner
+from ampbench.train import numerics, runner, step
 
 
 def test_builtin_names_match_the_config():
@@ -179,7 +179,8 @@ def test_env_check_stage_refuses_a_broken_factory(user_models, tiny_params):
     (user_models / "params.yaml").write_text(yaml.safe_dump(tiny_params))
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--params", "params.yaml",
                            "--env", "reports/env.json", "--plans", "reports/plans", "--data-source",
-                           "reports/data_source.json"], cwd=user_models, capture_output=True, text=True, timeout=120)
+                           "reports/data_source.json", "--model-source", "reports/model_source.json"],
+                          cwd=user_models, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == ["error: params.yaml: model.factory = 'mymodels.nets:not_a_module' "
                                                 "returned a str, not a torch.nn.Module; return the model itself"]

@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, models, numerics, runplan, step
+from ampbench import config, data, models, runplan
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.sandbox import REPO_ROOT
-from ampbench.train import runner
+from ampbench.train import numerics, runner, step
 
 
 def test_fp16_fractions_of_known_values_are_exact():

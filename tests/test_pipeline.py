@@ -220,12 +220,15 @@ def test_a_custom_factory_reruns_the_train_stages_when_its_file_changes(tmp_path
 
     again = _dvc(repo, "repro")
     assert again.returncode == 0 and "Running stage 'train@" not in again.stdout  # nothing changed: nothing reruns
+    assert "Running stage 'sweep'" not in again.stdout
 
     (repo / "mymodels" / "net.py").write_text(FACTORY.format(width=12))
     edited = _dvc(repo, "repro")
     assert edited.returncode == 0, edited.stderr[-2000:]
     assert "Running stage 'train@fp32'" in edited.stdout and "Running stage 'train@amp'" in edited.stdout
     assert "Running stage 'data'" not in edited.stdout
+    # the sweep measured the old model: it reruns, and none of its points is reused
+    assert "Running stage 'sweep'" in edited.stdout and "4 point(s) measured, 0 reused" in edited.stdout
     m = json.loads((repo / "reports" / "runs" / "amp" / "metrics.json").read_text())
     assert m["param_count"] == 3 * 12 * 9 + 12 + 12 * 10 + 10
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, models, runplan, step
+from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig
 from ampbench.precision import PrecisionPolicy, micro_batch_size
-from ampbench.train import engine, runner
+from ampbench.train import runner, setup, step
 
 
 def test_policy_per_precision():
@@ -113,6 +113,6 @@ def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeyp
 
 
 def test_lr_schedule_warms_up_then_decays():
-    f = engine.lr_lambda(100)
+    f = setup.lr_lambda(100)
     assert f(0) == pytest.approx(0.2) and f(4) == pytest.approx(1.0)
     assert f(50) < 1 and f(99) < 0.01

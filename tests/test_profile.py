@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from ampbench import config, data, profiling, report, results, runplan, step
+from ampbench import config, data, report, results, runplan
 from ampbench.report import summary as report_summary
 from ampbench.sandbox import merge
-from ampbench.train import runner
+from ampbench.train import profiling, runner, step
 from tests.conftest import SHRINK
 
 
@@ -127,6 +127,7 @@ def _write(runs, name, precision, step_ms, prof, accs):
     metrics = {"variant": name, "precision": precision, "accum_steps": 1, "batch_size": 256, "epochs": len(accs),
                "imgs_per_s": 256 / step_ms * 1000, "epoch_time_s": 10.0,
                "step_time_ms": {"median": step_ms, "p10": step_ms * 0.9, "p90": step_ms * 1.1, "n": 5},
+               "imgs_per_s_p10_p90": [256 / (step_ms * 1.1) * 1000, 256 / (step_ms * 0.9) * 1000],
                "peak_mem_bytes": 100, "activation_bytes": 10, "final_acc": accs[-1], "best_acc": max(accs),
                "skipped_steps": 0, "tf32": {"matmul_fp32_precision": "ieee"}, "arch": "resnet18", "profile": prof,
                "peak_tflops_datasheet": {"fp32": 67.0, "fp16": 989.4}[precision]}

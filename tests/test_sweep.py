@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
@@ -40,21 +42,30 @@ def test_largest_batch_respects_the_ceiling():
     assert sweep.largest_batch(lambda b: True, 16, ceiling=100)[0] == 64
 
 
-def _stage(repo, *extra):
+def _stage(repo, *extra, package=None):
+    """The sweep stage in ``repo``; with ``package``, running that copy of the ampbench source instead."""
+    env = {**os.environ, "PYTHONPATH": str(package)} if package else None
     return subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "sweep.py"), "--params", "params.yaml",
-                           "--data", "data/prepared", "--env", "reports/env.json", "--out", "reports/sweep", *extra],
-                          cwd=repo, capture_output=True, text=True, timeout=300)
+                           "--data", "data/prepared", "--env", "reports/env.json",
+                           "--model-source", "reports/model_source.json", "--out", "reports/sweep", *extra],
+                          cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _prepare(repo, params):
+    """env_check and data in ``repo``, as dvc repro runs them before the sweep."""
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    for script, args in (("env_check.py", ["--env", "reports/env.json", "--plans", "reports/plans",
+                                           "--data-source", "reports/data_source.json",
+                                           "--model-source", "reports/model_source.json"]),
+                         ("data.py", ["--out", "data/prepared", "--raw", "data/raw"])):
+        proc = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / script), "--params", "params.yaml", *args],
+                              cwd=repo, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
 
 
 def test_cpu_sweep_writes_points_estimate_and_plots(tmp_path, tiny_params):
     tiny_params["sweep"] = {"batch_sizes": [4, 8, 16], "steps": 2, "precisions": ["fp32", "fp16"]}
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params))
-    for script, args in (("env_check.py", ["--env", "reports/env.json", "--plans", "reports/plans",
-                                           "--data-source", "reports/data_source.json"]),
-                         ("data.py", ["--out", "data/prepared", "--raw", "data/raw"])):
-        proc = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / script), "--params", "params.yaml", *args],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
+    _prepare(tmp_path, tiny_params)
     proc = _stage(tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = tmp_path / "reports" / "sweep"
@@ -90,3 +101,45 @@ def test_disabled_sweep_writes_an_empty_result(tmp_path, tiny_params):
     proc = _stage(tmp_path)
     assert proc.returncode == 0 and "disabled" in proc.stdout
     assert json.loads((tmp_path / "reports" / "sweep" / "sweep.json").read_text()) == {"enabled": False}
+
+
+def test_the_sweep_cache_follows_the_code_and_the_model_that_ran(tmp_path, tiny_params):
+    """A point is reused only while the code that measured it is unchanged: editing the model's source (or any
+    module the sweep reaches) remeasures every point; editing the report, or nothing, reuses them all."""
+    tiny_params["sweep"] = {"batch_sizes": [4, 8], "steps": 1, "precisions": ["fp32"], "find_max": False}
+    _prepare(tmp_path, tiny_params)
+
+    def copy_with(rel: str, package: str):  # the ampbench source with one file edited
+        root = tmp_path / package
+        shutil.copytree(REPO_ROOT / "src" / "ampbench", root / "ampbench",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+        with open(root / "ampbench" / rel, "a") as f:
+            f.write("\n# edited\n")
+        return root
+
+    def counts(proc):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        result = json.loads((tmp_path / "reports" / "sweep" / "sweep.json").read_text())
+        return result["measured_points"], result["reused_points"]
+
+    assert counts(_stage(tmp_path)) == (2, 0)
+    assert counts(_stage(tmp_path)) == (0, 2)  # nothing changed
+    assert counts(_stage(tmp_path, package=copy_with("report/sections.py", "report_edited"))) == (0, 2)
+    model_edited = copy_with("models/cifar.py", "model_edited")
+    assert counts(_stage(tmp_path, package=model_edited)) == (2, 0)
+    assert counts(_stage(tmp_path, package=model_edited)) == (0, 2)
+
+
+def test_the_sweep_key_covers_what_the_sweep_runs_and_the_users_model():
+    from ampbench import config, env
+    src = REPO_ROOT / "src"
+    reached = {p.relative_to(src).as_posix() for p in env.source_files(src / "ampbench" / "sweep.py")}
+    assert {"ampbench/models/cifar.py", "ampbench/models/vit.py", "ampbench/train/step.py", "ampbench/precision.py",
+            "ampbench/data/batches.py", "ampbench/measure/clock.py"} <= reached
+    assert not {p for p in reached if p.startswith(("ampbench/report", "ampbench/tracking"))}
+    cfg = config.from_dict({"device": "cpu"})
+    args = (cfg, "fp32", 8, {"n": 1}, "cpu", {"model": "small_cnn", "factory_source": ""}, "code1")
+    key = sweep.point_key(*args)
+    assert sweep.point_key(*args) == key
+    assert sweep.point_key(*args[:5], {"model": "small_cnn", "factory_source": "abc"}, "code1") != key  # a factory
+    assert sweep.point_key(*args[:6], "code2") != key  # ampbench's code

@@ -20,13 +20,8 @@ import yaml
 
 from ampbench.errors import ConfigError
 
-# The official archives: (URL, MD5) per downloadable data.source.
-OFFICIAL = {
-    "cifar10": ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a"),
-    "cifar100": ("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85"),
-}
-CIFAR10_URL, CIFAR10_MD5 = OFFICIAL["cifar10"]
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16")  # each has its Spec in precision.py
+DATA_SOURCES = ("cifar10", "cifar100", "folder", "synthetic")  # each is a source in data.SOURCES
 ARCH_NAMES = ("resnet18", "small_cnn", "vit_tiny")  # built in; "tv:<name>" is any torchvision classifier
 
 
@@ -41,7 +36,7 @@ def _opt(default: Any, *, choices: tuple | None = None, lo: float | None = None,
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = _opt("cifar10", choices=("cifar10", "cifar100", "folder", "synthetic"))  # where the images come from
+    source: str = _opt("cifar10", choices=DATA_SOURCES)  # where the images come from
     url: str = ""                 # "" = the official archive of data.source; or a mirror / file:// URL
     md5: str = ""                 # "" = the official archive's checksum; give one with a different archive
     archive: str = ""             # a local copy of the archive to use instead of downloading
@@ -49,15 +44,6 @@ class DataConfig:
     image_size: int = _opt(32, lo=8)  # source folder: images are resized to image_size x image_size once
     train_size: int = _opt(0, lo=0)  # training images to use (0 = all)
     test_size: int = _opt(0, lo=0)   # evaluation images to use (0 = all; a folder without splits holds out 10%)
-
-
-def source_url(cfg: DataConfig) -> str:
-    """The URL the archive of ``cfg.source`` is fetched from: data.url, else the official one."""
-    return cfg.url or OFFICIAL.get(cfg.source, ("", ""))[0]
-
-
-def source_md5(cfg: DataConfig) -> str:
-    return cfg.md5 or OFFICIAL.get(cfg.source, ("", ""))[1]
 
 
 @dataclass(frozen=True)
@@ -267,15 +253,9 @@ def _cross_check(cfg: Config) -> None:
     if d.md5 and not re.fullmatch(r"[0-9a-f]{32}", d.md5):
         raise ConfigError(f"{_where('data.md5', d.md5)} is not an MD5 checksum (32 hex digits); "
                           "use \"\" for the official archive's")
-    if d.source in OFFICIAL and d.archive and not Path(d.archive).is_file():
-        raise ConfigError(f"{_where('data.archive', d.archive)}: no such file; give the path of a local copy of "
-                          "the archive, or set it to \"\" to download it")
     if d.source == "folder" and not d.path:
         raise ConfigError("params.yaml: data.source = 'folder' needs data.path, the image folder "
                           "(path/<class>/<image>); set data.path")
-    if d.path and not Path(d.path).is_dir():
-        raise ConfigError(f"{_where('data.path', d.path)}: no such folder; give an image folder in ImageFolder "
-                          "layout (path/<class>/<image>)")
     m = cfg.model
     if m.factory and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", m.factory):
         raise ConfigError(f"{_where('model.factory', m.factory)} is not 'package.module:function'; e.g. "

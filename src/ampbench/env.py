@@ -8,6 +8,8 @@ comparison runs, or stops it with the reason and the remedy.
 
 from __future__ import annotations
 
+import ast
+import hashlib
 import os
 import platform
 import shutil
@@ -18,9 +20,11 @@ from pathlib import Path
 import psutil
 import torch
 
+from ampbench import precision
 from ampbench.config import resolve_backend
 from ampbench.errors import EnvironmentMismatch
 
+PACKAGE = Path(__file__).resolve().parent  # src/ampbench
 MIN_DRIVER = (545, 23)  # the article's minimum driver for CUDA 12.1-era fp16 kernels
 
 
@@ -64,7 +68,7 @@ def probe() -> dict:
         "cuda_available": torch.cuda.is_available(),
         "cuda_runtime": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "tf32_defaults": tf32_flags(),  # before ampbench sets them: what a plain "fp32" run here would use
+        "tf32_defaults": precision.tf32_flags(),  # before ampbench sets them: what a plain "fp32" run here would use
         "gpu": None,
     }
     if info["cuda_available"]:
@@ -118,10 +122,10 @@ def resolve_device(requested: str, info: dict, precisions: set[str]) -> str:
             "fp32, so the comparison would mislead. Run the CPU demo instead (make demo), "
             "or set device: cpu in params.yaml to force the CPU run")
     device = "cuda" if requested in ("auto", "cuda") else "cpu"
-    if device == "cuda" and "bf16" in precisions and info["gpu"] and not info["gpu"]["bf16_supported"]:
-        raise EnvironmentMismatch(
-            f"a variant asks for precision bf16 but {info['gpu']['name']} (compute capability "
-            f"{info['gpu']['capability']}) has no native bf16; remove that variant or use fp16")
+    for name in sorted(precisions) if device == "cuda" else ():
+        reason = precision.unsupported(name, info["gpu"])
+        if reason:
+            raise EnvironmentMismatch(reason)
     return device
 
 
@@ -167,23 +171,6 @@ def check_fits(nbytes: int, desc: dict, device: str, info: dict, share: float = 
             "data.train_size")
 
 
-def set_tf32(allow: bool) -> dict:
-    """Allow or forbid TF32 for fp32 matmuls and convolutions; return the flags now in force.
-
-    On Ampere and later, PyTorch runs fp32 convolutions in TF32 by default, so an
-    "FP32" baseline would really be TF32. The strict baseline sets IEEE fp32.
-    """
-    mode = "tf32" if allow else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = mode
-    torch.backends.cudnn.conv.fp32_precision = mode
-    return tf32_flags()
-
-
-def tf32_flags() -> dict:
-    return {"matmul_fp32_precision": torch.backends.cuda.matmul.fp32_precision,
-            "cudnn_conv_fp32_precision": torch.backends.cudnn.conv.fp32_precision}
-
-
 def fingerprint(info: dict) -> str:
     """A short, stable name for the environment, used as an MLflow tag."""
     gpu = info.get("gpu")
@@ -216,3 +203,49 @@ def git_commit(where: Path | None = None) -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return sha + ("-dirty" if dirty else "")
+
+
+def _module_file(module: str) -> Path | None:
+    base = PACKAGE.parent / Path(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _ampbench_imports(path: Path) -> set[Path]:
+    """The files of the ampbench modules ``path`` imports (function-level imports too), and their packages."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "ampbench":
+                out |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i])))}
+    return out
+
+
+def source_files(entry: Path, skip: frozenset[Path] = frozenset()) -> list[Path]:
+    """Every ampbench source file ``entry`` reaches through its imports, followed from module to module (the
+    files in ``skip`` neither counted nor followed); sorted."""
+    seen: set[Path] = set()
+    todo = [Path(entry).resolve()]
+    while todo:
+        for f in _ampbench_imports(todo.pop()):
+            if f not in seen and f not in skip:
+                seen.add(f)
+                todo.append(f)
+    return sorted(seen)
+
+
+def source_digest(files: list[Path]) -> str:
+    """A hash of these files' names (relative to the package) and contents: the code that produced a result."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).resolve().relative_to(PACKAGE.parent).as_posix().encode())
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]

@@ -22,6 +22,9 @@ from pathlib import Path
 
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
 NUMERICS, SYSTEM, TRACE = "numerics.csv", "system.csv", "profile_trace.json"
+# The sweep's sweep.csv (reports/sweep/), one row per point, for dvc plots
+SWEEP_COLUMNS = ["variant", "batch_size", "imgs_per_s", "imgs_per_s_p10", "imgs_per_s_p90", "peak_mem_bytes",
+                 "peak_reserved_bytes", "activation_bytes", "achieved_tflops", "oom"]
 
 
 def atomic_write(path: Path, text: str) -> None:
@@ -66,7 +69,7 @@ def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: 
               trace: str = "") -> None:
     out_dir = Path(out_dir)
     atomic_write(out_dir / TRACE, trace or '{"traceEvents": []}\n')  # an empty trace when profiling is off
-    from ampbench.sysmon import COLUMNS
+    from ampbench.measure.sysmon import COLUMNS
     atomic_write(out_dir / SYSTEM, csv_text(list(system), COLUMNS))
     hist_cols = list(history[0]) if history else ["epoch"]
     num_cols = list(numerics[0]) if numerics else ["layer"]

@@ -23,6 +23,7 @@ from ampbench.config import (
     to_dict,
 )
 from ampbench.errors import ConfigError
+from ampbench.precision import amp_settings  # the plan holds GradScaler settings only where the precision uses one
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class RunPlan:
     seed: int
     model: ModelConfig
     train: TrainConfig
-    amp: AmpConfig | None         # None unless precision is fp16 (no GradScaler otherwise)
+    amp: AmpConfig | None         # None unless the precision uses a GradScaler (fp16)
     mlflow: MlflowConfig
     debug: DebugConfig = field(default_factory=DebugConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
@@ -59,10 +60,18 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") ->
     train = dataclasses.replace(cfg.train, target_acc=0.0)  # read by the report only: not a reason to retrain
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
-                   amp=cfg.amp if v.precision == "fp16" else None, mlflow=cfg.mlflow, debug=cfg.debug,
+                   amp=amp_settings(v.precision, cfg.amp), mlflow=cfg.mlflow, debug=cfg.debug,
                    model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
                    grad_comm=v.grad_comm or cfg.distributed.grad_comm,
                    find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters)
+
+
+def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
+    """The plan of a batch-size sweep point's short run: ``precision`` with params.yaml's model, training
+    settings and loss scale, in one process, uncompiled (each swept batch size would compile anew)."""
+    return RunPlan(variant=f"sweep-{precision}", precision=precision, accum_steps=1, device=device, seed=cfg.seed,
+                   model=cfg.model, train=dataclasses.replace(cfg.train, compile=False),
+                   amp=amp_settings(precision, cfg.amp), mlflow=cfg.mlflow, ddp=False)
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:

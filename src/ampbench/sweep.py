@@ -25,51 +25,54 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import torch
 
-from ampbench import flops, measure, models, probes, step
-from ampbench.config import Config, to_dict
+from ampbench import runplan
+from ampbench.config import Config, sweep_precisions, to_dict
 from ampbench.data import DeviceBatches
-from ampbench.env import set_tf32
-from ampbench.precision import PrecisionPolicy
+from ampbench.env import source_digest, source_files
+from ampbench.measure import clock, flops, memory, stats
+from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, write_json
+from ampbench.train import probes, setup, step
 
 WARMUP = 2  # untimed steps before each point's timed ones (allocation, cuDNN autotuning)
-SOURCES = ("sweep.py", "step.py", "measure.py", "precision.py", "data/batches.py", "models/__init__.py")
 
 
-def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerprint: str) -> str:
-    """A hash of everything one point's numbers depend on: its settings, the data, the machine and this code."""
-    h = hashlib.sha256()
+def code_digest() -> str:
+    """A hash of the source of every ampbench module this one reaches (the model registry and built-in models,
+    the step, the precision policy, the data feed, the meters): editing any of them remeasures every point,
+    editing anything else (the report, tracking) does not."""
+    return source_digest(source_files(Path(__file__)) + [Path(__file__).resolve()])
+
+
+def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerprint: str, model_source: dict,
+              code: str) -> str:
+    """A hash of everything one point's numbers depend on: its settings, the data, the machine, the model's
+    source (a user's factory; torchvision's version for a tv: model) and this code (``code_digest``)."""
     parts = {"precision": precision, "batch": batch, "steps": cfg.sweep.steps, "seed": cfg.seed,
              "model": to_dict(cfg.model), "amp": to_dict(cfg.amp), "augment": cfg.train.augment,
              "allow_tf32": cfg.train.allow_tf32, "limit": cfg.sweep.memory_limit_gib, "data": meta,
-             "env": env_fingerprint}
-    h.update(json.dumps(parts, sort_keys=True).encode())
-    root = Path(__file__).parent
-    for name in SOURCES:
-        h.update((root / name).read_bytes())
-    return h.hexdigest()[:16]
+             "env": env_fingerprint, "model_source": model_source, "code": code}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class Bench:
-    """One precision's model, optimizer and scaler on one device, and the batches it is fed."""
+    """One precision's setup on one device (the trainer's builder: ``train.setup.build``), and its batches."""
 
     def __init__(self, cfg: Config, data: dict, device: torch.device, precision: str):
         self.cfg, self.data, self.device, self.precision = cfg, data, device, precision
-        meta = data["meta"]
-        self.input_size = models.input_size(cfg.model, meta["image_shape"][-1])
-        torch.manual_seed(cfg.seed)
-        set_tf32(cfg.train.allow_tf32)
-        self.model = models.build(cfg.model, num_classes=meta["num_classes"], image_size=self.input_size,
-                                  device=device)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum,
-                                   weight_decay=cfg.train.weight_decay, nesterov=True)
-        self.policy = PrecisionPolicy(precision, device.type, cfg.amp if precision == "fp16" else None)
-        self.scaler = self.policy.scaler()
+        s = setup.build(runplan.for_precision(cfg, precision, device.type), data["meta"], device)
+        self.input_size = s.input_size
+        self.model = s.model
+        self.step_model = s.step_model
+        self.opt = s.opt
+        self.policy = s.policy
+        self.scaler = s.scaler
         x, y = next(self.batches(8).epoch(0))
         self.flops_per_image = flops.train_flops_per_image(self.model, x, y)  # per image: the same at any batch
 
@@ -83,18 +86,19 @@ class Bench:
                              shuffle=True, channels_last=self.cfg.model.channels_last, seed=self.cfg.seed,
                              out_size=self.input_size)
 
-    def run(self, batch: int, steps: int, feed: DeviceBatches | None = None) -> list[float]:
-        """``WARMUP`` untimed then ``steps`` timed optimizer steps at ``batch``; their end-to-end times (ms)."""
+    def run(self, batch: int, steps: int, feed: DeviceBatches | None = None) -> clock.StepClock:
+        """``WARMUP`` untimed then ``steps`` timed optimizer steps at ``batch``, on the trainer's clock."""
         feed = feed or self.batches(batch)
-        timer = measure.StepTimer(self.device)
+        timer = clock.StepClock(self.device, WARMUP)
+        timer.begin()
         for i in range(WARMUP + steps):
-            if i >= WARMUP:
-                timer.start()
-            x, y = next(feed.epoch(i))
-            step.train_step(self.model, self.opt, self.scaler, self.policy, x, y, batch)
-            if i >= WARMUP:
-                timer.stop()
-        return timer.read_ms()
+            with timer.data():
+                x, y = next(feed.epoch(i))
+            with timer.compute():
+                step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch)
+            timer.step_done(len(y))
+        timer.end()
+        return timer
 
     def free(self) -> None:
         """Drop gradients and cached blocks, e.g. after an out-of-memory attempt."""
@@ -104,16 +108,15 @@ class Bench:
             torch.cuda.empty_cache()
 
     def point(self, batch: int, steps: int) -> dict:
-        measure.reset_peak_memory(self.device)
+        memory.reset_peak_memory(self.device)
         feed = self.batches(batch)
-        times = self.run(batch, steps, feed)
-        summary = measure.summarize_ms(times)
-        spread = measure.throughput_spread(batch, summary)
+        timed = self.run(batch, steps, feed)
         x, _ = next(feed.epoch(0))
-        ips = spread[0] if spread else None
+        ips = timed.imgs_per_s()
         out = {"precision": self.precision, "batch_size": batch, "imgs_per_s": ips,
-               "imgs_per_s_p10_p90": list(spread[1:]) if spread else None, "step_time_ms": summary,
-               **measure.peak_memory(self.device),
+               "imgs_per_s_p10_p90": stats.rate_spread(timed.step_rates()),
+               "step_time_ms": stats.summarize_ms(timed.cycle_ms),
+               **memory.peak_memory(self.device),
                "activation_bytes": probes.activation_bytes(self.model, x, self.policy),
                "achieved_tflops": self.flops_per_image * ips / 1e12 if ips else None}
         self.free()
@@ -121,7 +124,7 @@ class Bench:
 
     def fixed_bytes(self) -> int:
         params = list(self.model.parameters())
-        return 2 * measure.tensor_bytes(params) + measure.optimizer_state_bytes(self.opt)
+        return 2 * memory.tensor_bytes(params) + memory.optimizer_state_bytes(self.opt)
 
 
 def fits(attempt: Callable[[int], object], free: Callable[[], None]) -> Callable[[int], bool]:
@@ -200,3 +203,66 @@ def find_max(bench: Bench, points: list[dict], cfg: Config, dataset_bytes: int) 
             "how": "(limit - parameters, gradients, optimizer state and data set) / activation bytes per image, "
                    f"from the swept batches {b1} and {b2}",
             "bytes_per_image": per_image, "fixed_bytes": fixed, "limit_bytes": limit, "limit": what}
+
+
+def _measure(bench: Bench, batch: int, steps: int, key: str) -> dict:
+    """One point, printed as it is measured; an out-of-memory batch is a point too."""
+    t0 = time.perf_counter()
+    try:
+        point = {**bench.point(batch, steps), "key": key}
+    except torch.cuda.OutOfMemoryError:
+        bench.free()
+        point = {"precision": bench.precision, "batch_size": batch, "oom": True, "key": key}
+    mem = (f"peak {point.get('peak_mem_bytes', 0) / 2**20:,.0f} MiB" if bench.device.type == "cuda"
+           else f"activations {point.get('activation_bytes', 0) / 2**20:,.1f} MiB")
+    what = "out of memory" if point.get("oom") else f"{point['imgs_per_s']:,.0f} img/s, {mem}"
+    print(f"[sweep {bench.precision}] batch {batch}: {what} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    return point
+
+
+def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_fingerprint: str,
+              model_source: dict) -> dict:
+    """Every point of ``sweep.batch_sizes`` x precisions (reused from ``out/points`` when its key is unchanged),
+    the largest batch per precision; writes points/, max.json, sweep.csv and sweep.json under ``out``."""
+    cap_memory(cfg, device)
+    code = code_digest()
+    points_dir = out / "points"
+    wanted, rows, largest, reused = set(), [], {}, 0
+    precisions = sweep_precisions(cfg)
+    for precision in precisions:
+        bench = Bench(cfg, prepared, device, precision)
+        points = []
+        for batch in cfg.sweep.batch_sizes:
+            path = points_dir / f"{precision}-{batch}.json"
+            wanted.add(path.name)
+            key = point_key(cfg, precision, batch, prepared["meta"], env_fingerprint, model_source, code)
+            old = json.loads(path.read_text()) if path.is_file() else {}
+            if old.get("key") == key:
+                point, reused = old, reused + 1
+            else:
+                point = _measure(bench, batch, cfg.sweep.steps, key)
+                write_json(path, point)
+            points.append(point)
+            spread = point.get("imgs_per_s_p10_p90") or [None, None]
+            rows.append({"variant": precision, **{k: point.get(k) for k in SWEEP_COLUMNS[1:] if k in point},
+                         "imgs_per_s_p10": spread[0], "imgs_per_s_p90": spread[1], "oom": bool(point.get("oom"))})
+        if cfg.sweep.find_max:
+            largest[precision] = find_max(bench, [p for p in points if not p.get("oom")], cfg,
+                                          _dataset_bytes(prepared))
+            print(f"[sweep {precision}] largest batch: {largest[precision]['largest_batch']} "
+                  f"({largest[precision]['method']})", flush=True)
+        del bench
+    for stale in points_dir.glob("*.json"):
+        if stale.name not in wanted:
+            stale.unlink()
+    result = {"enabled": True, "device": device.type, "precisions": list(precisions),
+              "batch_sizes": list(cfg.sweep.batch_sizes), "steps": cfg.sweep.steps, "points": rows,
+              "largest": largest, "reused_points": reused, "measured_points": len(rows) - reused}
+    write_json(out / "max.json", largest)
+    atomic_write(out / "sweep.csv", csv_text(rows, SWEEP_COLUMNS))
+    write_json(out / "sweep.json", result)
+    return result
+
+
+def _dataset_bytes(prepared: dict) -> int:
+    return sum(t.numel() * t.element_size() for split in ("train", "test") for t in prepared[split])

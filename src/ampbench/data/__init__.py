@@ -1,5 +1,7 @@
 """Data: CIFAR-10, CIFAR-100, an image folder or a synthetic set, written once as uint8 tensors.
 
+Each source is a module of this package, registered in ``SOURCES`` with the same ``describe`` and ``read``:
+a new source is one module and one line there (and its name in ``config.DATA_SOURCES``).
 Downloading and checksumming use torchvision's own code (progress bar, MD5).
 The prepared set is ``train.pt`` / ``test.pt`` (uint8 images N x 3 x H x W,
 int64 labels) plus ``meta.json`` (counts, classes, image shape, mean and std),
@@ -10,7 +12,6 @@ and augments there (random crop with padding, flip).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import tempfile
@@ -18,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ampbench.config import DataConfig, source_md5
+from ampbench.config import DataConfig
 from ampbench.data import cifar, folder
+from ampbench.data import synthetic as synthetic_source
 from ampbench.data.batches import DeviceBatches
 from ampbench.data.cifar import ARCHIVE_NAME
 from ampbench.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
@@ -31,41 +33,21 @@ __all__ = ["ARCHIVE_NAME", "DeviceBatches", "describe", "load_prepared", "prepar
            "synthetic_in_memory", "synthetic_splits"]
 
 PAD = 4  # the augmentation's crop padding, stored with the set on the device
-_SIZES = {"cifar10": (50_000, 10_000), "cifar100": (50_000, 10_000), "synthetic": (50_000, 10_000)}
+# The sources, by data.source: each module has describe(cfg) -> dict, read(cfg, seed, raw_dir) -> (splits,
+# origin, classes) and SUBSETS_TEST (whether data.test_size takes a subset of its test split).
+SOURCES = {"cifar10": cifar, "cifar100": cifar, "folder": folder, "synthetic": synthetic_source}
 
 
 def describe(cfg: DataConfig) -> dict:
-    """Classes, image side and image counts of the set ``cfg`` makes, known without preparing it.
-
-    For a folder also a fingerprint of its files (names, sizes, modification times), so the data
-    stage reruns when an image is added, removed or changed.
-    """
-    extra: dict = {}
-    if cfg.source == "folder":
-        found = folder.scan(cfg)
-        h = hashlib.sha256()
-        for path, label in found["files"]["train"] + found["files"].get("test", []):
-            st = path.stat()
-            h.update(f"{path.relative_to(cfg.path)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        extra = {"classes": found["classes"], "files_sha256": h.hexdigest()}
-        if found["split"]:
-            n_train, n_test = len(found["files"]["train"]), len(found["files"]["test"])
-        else:
-            total = len(found["files"]["train"])
-            n_test = folder.held_out_count(total, cfg.test_size)
-            n_train = total - n_test
-        classes, side = len(found["classes"]), cfg.image_size
-    else:
-        n_train, n_test = _SIZES[cfg.source]
-        classes = cifar.FORMATS[cfg.source].num_classes if cfg.source in cifar.FORMATS else SYNTHETIC_CLASSES
-        side = 32
-        if cfg.source == "synthetic":
-            n_train, n_test = cfg.train_size or n_train, cfg.test_size or n_test
+    """Classes, image side and image counts of the set ``cfg`` makes, known without preparing it (a folder's
+    also a fingerprint of its files); a source's bad params.yaml value (a missing archive or folder) stops here."""
+    source = SOURCES[cfg.source]
+    desc = source.describe(cfg)
     if cfg.train_size:
-        n_train = min(n_train, cfg.train_size)
-    if cfg.test_size and cfg.source != "folder":
-        n_test = min(n_test, cfg.test_size)
-    return {"num_classes": classes, "image_size": side, "train_count": n_train, "test_count": n_test, **extra}
+        desc["train_count"] = min(desc["train_count"], cfg.train_size)
+    if cfg.test_size and source.SUBSETS_TEST:
+        desc["test_count"] = min(desc["test_count"], cfg.test_size)
+    return desc
 
 
 def resident_bytes(desc: dict, augment: bool = True) -> int:
@@ -83,25 +65,12 @@ def _subset(images: torch.Tensor, labels: torch.Tensor, size: int, seed: int):
     return images[idx].contiguous(), labels[idx].contiguous()
 
 
-def _read(cfg: DataConfig, seed: int, raw_dir: Path) -> tuple[dict, dict, int]:
-    """The full splits, where they came from, and the class count."""
-    if cfg.source == "synthetic":
-        return (synthetic_splits(cfg.train_size or 50_000, cfg.test_size or 10_000, seed),
-                {"source": "synthetic", "seed": seed}, SYNTHETIC_CLASSES)
-    if cfg.source == "folder":
-        splits, classes = folder.read(cfg, seed)
-        return splits, {"source": "folder", "path": cfg.path, "classes": classes}, len(classes)
-    archive = cifar.fetch(cfg, raw_dir)
-    fmt = cifar.FORMATS[cfg.source]
-    return cifar.read(cfg.source, archive, raw_dir), {"source": cfg.source, "md5": source_md5(cfg)}, \
-        fmt.num_classes
-
-
 def prepare(cfg: DataConfig, seed: int, out_dir: Path, raw_dir: Path) -> dict:
     """Make the prepared set in ``out_dir`` (atomically) and return its metadata."""
-    full, origin, num_classes = _read(cfg, seed, raw_dir)
-    splits = {"train": _subset(*full["train"], cfg.train_size, seed),
-              "test": full["test"] if cfg.source == "folder" else _subset(*full["test"], cfg.test_size, seed + 1)}
+    source = SOURCES[cfg.source]
+    full, origin, num_classes = source.read(cfg, seed, Path(raw_dir))
+    test = _subset(*full["test"], cfg.test_size, seed + 1) if source.SUBSETS_TEST else full["test"]
+    splits = {"train": _subset(*full["train"], cfg.train_size, seed), "test": test}
     meta = {
         **origin,
         "train_count": len(splits["train"][1]),

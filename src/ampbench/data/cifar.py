@@ -1,4 +1,8 @@
-"""CIFAR-10 and CIFAR-100: fetch and verify the official archive (torchvision's downloader), read its batches."""
+"""CIFAR-10 and CIFAR-100, a data source: fetch and verify the official archive (torchvision's downloader, the
+archives' URLs and MD5s below), read its pickled batches.
+
+    describe(cfg) -> classes, image side, counts       read(cfg, seed, raw_dir) -> splits, origin, classes
+"""
 
 from __future__ import annotations
 
@@ -14,8 +18,8 @@ from urllib.request import url2pathname
 import torch
 from torchvision.datasets.utils import check_integrity, download_url, extract_archive
 
-from ampbench.config import DataConfig, source_md5, source_url
-from ampbench.errors import DataError
+from ampbench.config import DataConfig
+from ampbench.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -27,16 +31,52 @@ class CifarFormat:
     test: tuple[str, ...]
     labels_key: str         # CIFAR-100 has fine (100) and coarse (20) labels; we train on the fine ones
     num_classes: int
+    url: str                # the official archive
+    md5: str                # its checksum
 
 
 FORMATS = {
     "cifar10": CifarFormat("CIFAR-10", "cifar-10-python.tar.gz", "cifar-10-batches-py",
-                           tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), "labels", 10),
+                           tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), "labels", 10,
+                           "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",
+                           "c58f30108f718f92721af3b95e74349a"),
     "cifar100": CifarFormat("CIFAR-100", "cifar-100-python.tar.gz", "cifar-100-python", ("train",), ("test",),
-                            "fine_labels", 100),
+                            "fine_labels", 100, "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz",
+                            "eb9058c3a382ffc7106e4002c42a8d85"),
 }
 IMAGE_SHAPE = (3, 32, 32)
 ARCHIVE_NAME = FORMATS["cifar10"].archive
+COUNTS = (50_000, 10_000)  # train and test images in either archive
+SUBSETS_TEST = True        # data.test_size takes a subset of the test split
+
+
+def source_url(cfg: DataConfig) -> str:
+    """The URL the archive of ``cfg.source`` is fetched from: data.url, else the official one."""
+    return cfg.url or FORMATS[cfg.source].url
+
+
+def source_md5(cfg: DataConfig) -> str:
+    """The checksum the archive must have: data.md5, else the official archive's."""
+    return cfg.md5 or FORMATS[cfg.source].md5
+
+
+def describe(cfg: DataConfig) -> dict:
+    """Classes, image side and counts of the full archive; a data.archive that is not there is refused."""
+    if cfg.archive and not Path(cfg.archive).is_file():
+        raise ConfigError(f"params.yaml: data.archive = {cfg.archive!r}: no such file; give the path of a local "
+                          "copy of the archive, or set it to \"\" to download it")
+    train, test = COUNTS
+    return {"num_classes": FORMATS[cfg.source].num_classes, "image_size": IMAGE_SHAPE[-1], "train_count": train,
+            "test_count": test}
+
+
+def read(cfg: DataConfig, seed: int, raw_dir: Path) -> tuple[dict, dict, int]:
+    """The full splits from the verified archive, where they came from, and the class count."""
+    describe(cfg)
+    archive = fetch(cfg, raw_dir)
+    fmt = FORMATS[cfg.source]
+    origin = {"source": cfg.source, "md5": source_md5(cfg)}
+    return read_archive(cfg.source, archive, raw_dir), origin, fmt.num_classes
 
 
 def fetch(cfg: DataConfig, raw_dir: Path) -> Path:
@@ -94,7 +134,7 @@ def _read_batches(fmt: CifarFormat, folder: Path, names: tuple[str, ...]) -> tup
     return torch.cat(images), torch.cat(labels)
 
 
-def read(source: str, archive: Path, workdir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def read_archive(source: str, archive: Path, workdir: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Extract the archive to a scratch folder and read its train and test batches."""
     fmt = FORMATS[source]
     workdir.mkdir(parents=True, exist_ok=True)

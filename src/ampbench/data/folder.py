@@ -1,4 +1,5 @@
-"""An image folder in torchvision's ``ImageFolder`` layout, decoded and resized once to uint8 tensors.
+"""An image folder in torchvision's ``ImageFolder`` layout, a data source: decoded and resized once to uint8
+tensors. ``describe(cfg)`` and ``read(cfg, seed, raw_dir)`` as every source in ``data.SOURCES``.
 
     path/<class>/<image>            every image, split here into train and test
     path/train/<class>/<image>      or ready-made splits: train/ with test/ (or val/)
@@ -10,6 +11,7 @@ Every image is converted to RGB and resized to ``data.image_size`` squared.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
@@ -19,9 +21,10 @@ from torchvision.transforms.functional import pil_to_tensor
 from tqdm import tqdm
 
 from ampbench.config import DataConfig
-from ampbench.errors import DataError
+from ampbench.errors import ConfigError, DataError
 
 LAYOUT = "path/<class>/<image>.png, or path/train/<class>/... with path/test/<class>/..."
+SUBSETS_TEST = False  # data.test_size is the hold-out count of a folder without splits, not a subset
 
 
 def _classes(folder: Path) -> list[str]:
@@ -41,7 +44,8 @@ def scan(cfg: DataConfig) -> dict:
     """The classes and the image files of each split (or of the whole set), without decoding any image."""
     root = Path(cfg.path)
     if not root.is_dir():
-        raise DataError(f"data.path = {cfg.path!r} is not a folder; give an image folder ({LAYOUT})")
+        raise ConfigError(f"params.yaml: data.path = {cfg.path!r}: no such folder; give an image folder in "
+                          f"ImageFolder layout ({LAYOUT})")
     split = _split_dirs(root)
     top = split[0] if split else root
     images = {c: _images(top / c) for c in _classes(top)}  # each class folder listed once
@@ -82,7 +86,31 @@ def _decode(files: list[tuple[Path, int]], size: int, desc: str) -> tuple[torch.
     return images, torch.tensor([label for _, label in files], dtype=torch.int64)
 
 
-def read(cfg: DataConfig, seed: int) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
+def describe(cfg: DataConfig) -> dict:
+    """Classes, image side and counts, and a fingerprint of the files (names, sizes, modification times), so the
+    data stage reruns when an image is added, removed or changed."""
+    found = scan(cfg)
+    h = hashlib.sha256()
+    for path, label in found["files"]["train"] + found["files"].get("test", []):
+        st = path.stat()
+        h.update(f"{path.relative_to(cfg.path)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    if found["split"]:
+        n_train, n_test = len(found["files"]["train"]), len(found["files"]["test"])
+    else:
+        total = len(found["files"]["train"])
+        n_test = held_out_count(total, cfg.test_size)
+        n_train = total - n_test
+    return {"num_classes": len(found["classes"]), "image_size": cfg.image_size, "train_count": n_train,
+            "test_count": n_test, "classes": found["classes"], "files_sha256": h.hexdigest()}
+
+
+def read(cfg: DataConfig, seed: int, raw_dir: Path) -> tuple[dict, dict, int]:
+    """The decoded splits, where they came from, and the class count."""
+    splits, classes = decode(cfg, seed)
+    return splits, {"source": "folder", "path": cfg.path, "classes": classes}, len(classes)
+
+
+def decode(cfg: DataConfig, seed: int) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str]]:
     """Decode the folder into train and test tensors; a folder without splits holds out a random test set."""
     found = scan(cfg)
     files = found["files"]

@@ -1,12 +1,31 @@
-"""A learnable CIFAR-shaped synthetic set: no download, for pure speed runs and tests."""
+"""A learnable CIFAR-shaped synthetic set, a data source: no download, for pure speed runs and tests.
+``describe(cfg)`` and ``read(cfg, seed, raw_dir)`` as every source in ``data.SOURCES``.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from ampbench.config import DataConfig
+
 NUM_CLASSES = 10
 IMAGE_SHAPE = (3, 32, 32)
+COUNTS = (50_000, 10_000)  # train and test images unless data.train_size / data.test_size say
+SUBSETS_TEST = True
+
+
+def describe(cfg: DataConfig) -> dict:
+    return {"num_classes": NUM_CLASSES, "image_size": IMAGE_SHAPE[-1], "train_count": cfg.train_size or COUNTS[0],
+            "test_count": cfg.test_size or COUNTS[1]}
+
+
+def read(cfg: DataConfig, seed: int, raw_dir: Path) -> tuple[dict, dict, int]:
+    """The splits, made from ``seed`` (nothing is downloaded), their origin, and the class count."""
+    made = splits(cfg.train_size or COUNTS[0], cfg.test_size or COUNTS[1], seed)
+    return made, {"source": "synthetic", "seed": seed}, NUM_CLASSES
 
 
 def synthetic(n: int, seed: int, split_seed: int) -> tuple[torch.Tensor, torch.Tensor]:

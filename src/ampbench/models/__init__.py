@@ -33,7 +33,7 @@ ARCHS: dict[str, Callable[..., nn.Module]] = {"resnet18": resnet18_cifar, "small
 TV_PREFIX = "tv:"
 
 __all__ = ["ARCHS", "build", "check", "describe", "name", "resnet18_cifar", "small_cnn", "source_hash",
-           "torchvision_names", "vit_tiny"]
+           "source_record", "torchvision_names", "vit_tiny"]
 
 
 def torchvision_names() -> list[str]:
@@ -155,6 +155,13 @@ def check_unused(model: dict, cfg: ModelConfig, distributed: DistributedConfig, 
 
 def describe(model: nn.Module, cfg: ModelConfig) -> dict:
     return {"model": name(cfg), "param_count": sum(p.numel() for p in model.parameters())}
+
+
+def source_record(cfg: ModelConfig) -> dict:
+    """What the model's code is, for results that depend on it (the sweep's points): the factory's source hash,
+    or torchvision's version for a ``tv:`` model; a built-in model's source is ampbench's own."""
+    return {"model": name(cfg), "factory_source": source_hash(cfg),
+            "torchvision": torchvision.__version__ if cfg.arch.startswith(TV_PREFIX) and not cfg.factory else None}
 
 
 def source_hash(cfg: ModelConfig, root: Path | None = None) -> str:

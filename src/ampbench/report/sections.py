@@ -92,9 +92,10 @@ def results(summary: dict, env: dict, runs: dict) -> list[str]:
     if summary.get("missing"):
         lines += [f"No finished run for: {', '.join(summary['missing'])} (missing, not estimated).", ""]
     lines += [
-        "How to read it: img/s is training throughput after the warm-up steps, timed end to end (from one step's "
-        "data to the next's: data, compute and the host's work between steps; evaluation excluded; CUDA events "
-        "on a GPU); in brackets the throughput at the p90 and p10 step times. TFLOP/s is "
+        "How to read it: img/s is training throughput after the warm-up steps: the timed images over the summed "
+        "step times, each step timed end to end (from one step's data to the next's: data, compute and the host's "
+        "work between steps; evaluation excluded; CUDA events on a GPU); in brackets the p10 and p90 of the "
+        "steps' own rates. The speedup is the ratio of two img/s figures. TFLOP/s is "
         "model FLOPs (forward + backward, torch.utils.flop_counter) times img/s; on a known GPU, against the "
         "datasheet's dense peak for that precision (a datasheet figure, not measured). Peak memory is "
         + ("CUDA peak allocated" if env.get("gpu") else "the process's peak RSS (on a CPU it mostly counts the "

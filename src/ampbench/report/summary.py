@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ampbench import measure
+from ampbench.measure import stats
 
 # Figures copied as they are from each run's metrics.json into its summary row.
 COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_time_s", "peak_mem_bytes",
@@ -37,18 +37,25 @@ def pick_baseline(runs: dict[str, dict]) -> str | None:
 
 
 def speedup_with_ci(base: dict, run: dict) -> dict:
-    """Speedup over the baseline and its 95% interval: from repeats when both have 2+, else a bootstrap."""
+    """The speedup, one definition for one run and for repeats: the variant's img/s over the baseline's (img/s
+    being timed images over summed step time; over repeats, its mean). Its 95% interval: a t-interval over
+    the repeats when both have 2 or more, else a bootstrap over one process's step times (the ratio of mean
+    step times, resampled, scaled to the img/s ratio, which differs from it only by uneven batch sizes)."""
     bm, m = base["metrics"], run["metrics"]
+    speedup = ratio(m.get("imgs_per_s"), bm.get("imgs_per_s"))
     b_runs, v_runs = bm.get("imgs_per_s_runs") or [], m.get("imgs_per_s_runs") or []
     if len(b_runs) >= 2 and len(v_runs) >= 2:
-        r, lo, hi = measure.ratio_ci_from_repeats(v_runs, b_runs)
-        return {"speedup": r, "speedup_ci95": [lo, hi],
+        _, lo, hi = stats.ratio_ci_from_repeats(v_runs, b_runs)
+        return {"speedup": speedup, "speedup_ci95": [lo, hi],
                 "speedup_ci_method": f"t-interval over repeats ({len(v_runs)} vs {len(b_runs)})"}
-    b_ms = (bm.get("step_time_ms") or {}).get("median")
-    r = ratio(b_ms, (m.get("step_time_ms") or {}).get("median"))  # the same step times as the interval
-    lo, hi = measure.bootstrap_ratio_ci(base["step_times_ms"], run["step_times_ms"])
-    return {"speedup": r, "speedup_ci95": [None if math.isnan(lo) else lo, None if math.isnan(hi) else hi],
-            "speedup_ci_method": "bootstrap over step times (median ratio)"}
+    b_ms, v_ms = base["step_times_ms"], run["step_times_ms"]
+    lo, hi = stats.bootstrap_ratio_ci(b_ms, v_ms)
+    of_means = ratio(stats.mean_std(b_ms)[0], stats.mean_std(v_ms)[0]) if b_ms and v_ms else None
+    if speedup is None or not of_means or math.isnan(lo):
+        return {"speedup": speedup, "speedup_ci95": [None, None], "speedup_ci_method": "no step times"}
+    scale = speedup / of_means
+    return {"speedup": speedup, "speedup_ci95": [lo * scale, hi * scale],
+            "speedup_ci_method": "bootstrap over step times (ratio of means)"}
 
 
 def time_to_accuracy(history: list[dict], target: float) -> tuple[float, int] | None:
@@ -115,8 +122,7 @@ def _variant(name: str, run: dict, base: dict | None, target_acc: float) -> dict
     if target_acc:
         reached = time_to_accuracy(run["history"], target_acc)
         row["time_to_target_s"], row["time_to_target_epoch"] = reached or (None, None)
-    spread = measure.throughput_spread(m.get("batch_size"), m.get("step_time_ms"))
-    row["imgs_per_s_p10_p90"] = list(spread[1:]) if spread else None
+    row["imgs_per_s_p10_p90"] = m.get("imgs_per_s_p10_p90")
     if base is not None:
         bm = base["metrics"]
         row.update(speedup_with_ci(base, run))

@@ -18,11 +18,12 @@ from pathlib import Path
 import torch
 
 CHECKPOINT = "last.pt"
+FORMAT = 2  # the layout of the saved state; a checkpoint of another layout is not resumed
 
 
 def fingerprint(plan_dict: dict, data_meta: dict) -> str:
     """A hash of everything that makes two runs the same run."""
-    blob = json.dumps({"plan": plan_dict, "data": data_meta}, sort_keys=True, default=str)
+    blob = json.dumps({"plan": plan_dict, "data": data_meta, "format": FORMAT}, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -59,7 +60,8 @@ def load(folder: Path | None, expected_fingerprint: str, discard: bool = True) -
         return None
     if state.get("fingerprint") != expected_fingerprint:
         if discard:
-            print(f"checkpoint {path} was made with different params or data; discarding it and starting over")
+            print(f"checkpoint {path} was made with different params or data (or by an older ampbench); discarding "
+                  "it and starting over")
             path.unlink(missing_ok=True)
         return None
     return state

@@ -19,26 +19,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ampbench import flops, measure, models, numerics, probes, step
+from ampbench import models
 from ampbench.data import DeviceBatches
-from ampbench.env import set_tf32
 from ampbench.errors import AmpbenchError, NonFiniteTraining
-from ampbench.precision import PrecisionPolicy, micro_batch_size
+from ampbench.measure import clock, flops, memory
+from ampbench.precision import PrecisionPolicy, micro_batch_size, tf32_flags
 from ampbench.runplan import RunPlan
-from ampbench.train import distributed
-
-
-def lr_lambda(total_steps: int):
-    """Linear warm-up over the first 5% of optimizer steps, then cosine decay to zero."""
-    warm = max(1, round(0.05 * total_steps))
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
+from ampbench.train import distributed, numerics, probes, setup, step
 
 
 def make_batches(plan: RunPlan, data: dict, world: distributed.World = distributed.SINGLE,
@@ -83,25 +70,20 @@ class Trainer:
 
     def __init__(self, plan: RunPlan, data: dict, *, progress: bool = True,
                  world: distributed.World = distributed.SINGLE):
-        torch.manual_seed(plan.seed)
         self.world = world
         self.plan, self.progress, self.data_meta = plan, progress and world.main, data["meta"]
         self.counts = (len(data["train"][1]), len(data["test"][1]))
         self.device = device = world.device(torch.device(plan.device).type)
-        if device.type == "cuda":
-            torch.backends.cudnn.benchmark = True  # pick the fastest conv kernels for our fixed shapes
-        self.tf32 = set_tf32(plan.train.allow_tf32)
-        self.policy = PrecisionPolicy(plan.precision, device.type, plan.amp)
-        meta = data["meta"]
-        self.input_size = models.input_size(plan.model, meta["image_shape"][-1])
-        self.model = models.build(plan.model, num_classes=meta["num_classes"], image_size=self.input_size,
-                                  device=device)
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=plan.train.lr, momentum=plan.train.momentum,
-                                   weight_decay=plan.train.weight_decay, nesterov=True)
-        self.scaler = self.policy.scaler()
+        s = setup.build(plan, data["meta"], device, world)  # the model, optimizer, policy, scaler, step model
+        self.policy = s.policy
+        self.model = s.model
+        self.opt = s.opt
+        self.scaler = s.scaler
+        self.input_size = s.input_size
+        self.tf32 = tf32_flags()  # as build() set them
         self.train_batches, self.test_batches = make_batches(plan, data, world)
         self.steps_per_epoch = len(self.train_batches)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(plan.train.epochs * self.steps_per_epoch))
+        self.sched = setup.schedule(self.opt, plan.train.epochs * self.steps_per_epoch)
         if plan.train.batch_size % (world.size * plan.accum_steps):
             raise AmpbenchError(f"train.batch_size = {plan.train.batch_size} does not split into {world.size} "
                                 f"processes x accum_steps = {plan.accum_steps} equal micro-batches; choose a "
@@ -112,8 +94,8 @@ class Trainer:
         self.accum_check = probes.accumulation_check(self.model, x, y, self.micro) if plan.accum_steps > 1 else None
         self.activation_bytes = probes.activation_bytes(self.model, x[:self.micro], self.policy)
         self.flops_per_image = flops.train_flops_per_image(self.model, x[:8], y[:8])  # per image: 8 suffice
-        self.step_model = distributed.step_model(self.model, world, plan)
-        measure.reset_peak_memory(device)
+        self.step_model = s.step_model
+        memory.reset_peak_memory(device)
 
         # Progress; everything here goes into a checkpoint.
         self.epoch = self.step_in_epoch = self.global_step = self.skipped = 0
@@ -126,12 +108,7 @@ class Trainer:
         self.history: list[dict] = []
         self.best_acc = 0.0
         self.loss_sum, self.seen = torch.zeros((), device=device), 0  # this epoch's, summed on the device
-        self.step_ms: list[float] = []
-        self.data_ms: list[float] = []
-        self.cycle_ms: list[float] = []  # end to end: data, compute and the host's work between steps
-        self.timed_images = 0
-        # Not checkpointed: warm-up is counted per process, since a resumed process starts cold.
-        self.process_steps = 0
+        self.clock = clock.StepClock(device, plan.train.warmup_steps)  # checkpointed, but for its warm-up count
         self.stop_requested = False  # Ctrl-C seen by this process
         self.stop_agreed = False     # under DDP: Ctrl-C seen by some rank, as of the last sync
         self.t_start = time.perf_counter()
@@ -190,30 +167,20 @@ class Trainer:
     def run_epoch(self) -> dict | None:
         """Train to the end of the current epoch (or a requested stop) and evaluate; the history row."""
         plan, epoch = self.plan, self.epoch
-        # Three clocks: the data, the compute, and the whole cycle from one step's data to the next's, which
-        # also holds the host's bookkeeping between steps (what a wall clock around the loop would see).
-        step_timer, data_timer, cycle_timer = (measure.StepTimer(self.device) for _ in range(3))
         batches = self.train_batches.epoch(epoch)
         for _ in range(self.step_in_epoch):  # resuming mid-epoch: replay the same order and augmentation
             next(batches)
-        timed, sizes = [], []
         mean_loss = None
         bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, disable=not self.progress, unit="step",
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
-        with measure.wall_clock(self.device) as clock:
+        self.clock.begin()
+        with clock.wall_clock(self.device) as wall:
             while self.step_in_epoch < self.steps_per_epoch and not self.stop_now():
-                if timed:
-                    cycle_timer.stop()
-                cycle_timer.start()
-                data_timer.start()
-                x, y = next(batches)
-                data_timer.stop()
-                step_timer.start()
-                self.optimizer_step(x, y)
-                step_timer.stop()
-                timed.append(self.process_steps >= plan.train.warmup_steps)
-                sizes.append(len(y))
-                self.process_steps += 1
+                with self.clock.data():
+                    x, y = next(batches)
+                with self.clock.compute():
+                    self.optimizer_step(x, y)
+                self.clock.step_done(self.train_batches.global_count(self.step_in_epoch))  # all ranks' images
                 self.global_step += 1
                 self.step_in_epoch += 1
                 bar.update(1)
@@ -222,15 +189,12 @@ class Trainer:
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.sched.get_last_lr()[0]:.3g}")
                     if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
                         self.fail("the training loss became inf/NaN")
-            if timed:
-                cycle_timer.stop()
         bar.close()
-        ep_images, ep_ms = self._collect_times(step_timer.read_ms(), data_timer.read_ms(), cycle_timer.read_ms(),
-                                               timed, sizes)
+        ep_images, ep_ms = self.clock.end()
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
         # all ranks' images per wall second of the slowest rank; the ranks' scalers must agree
-        ep_images, ep_ms = self.world.reduce([ep_images])[0], self.world.reduce([ep_ms], "max")[0]
+        ep_ms = self.world.reduce([ep_ms], "max")[0]
         distributed.check_agree(self.world, "the GradScaler's scale, skipped and inf/NaN-loss steps",
                                 (self.last_scale, self.skipped, self.nonfinite_steps, len(self.scale_history),
                                  self.scale_history[-1] if self.scale_history else None))
@@ -239,7 +203,7 @@ class Trainer:
         train_loss = mean_loss if mean_loss is not None else self.mean_loss()  # the last step's sync has it
         row = {"epoch": epoch + 1, "train_loss": train_loss, "eval_loss": ev["loss"],
                "eval_acc": ev["acc"], "lr": self.sched.get_last_lr()[0], "loss_scale": self.last_scale,
-               "skipped_steps": self.skipped, "epoch_time_s": clock["s"],
+               "skipped_steps": self.skipped, "epoch_time_s": wall["s"],
                "imgs_per_s": ep_images / (ep_ms / 1000) if ep_ms else None}
         self.history.append(row)
         self.epoch, self.step_in_epoch = epoch + 1, 0
@@ -249,7 +213,7 @@ class Trainer:
             eta = (time.perf_counter() - self.t_start) * (1 - done) / max(done, 1e-9)
             ips = f"{row['imgs_per_s']:.0f} img/s" if row["imgs_per_s"] else "warm-up"
             tqdm.write(f"[{plan.variant}] epoch {epoch + 1}/{plan.train.epochs}: train loss {row['train_loss']:.4f}, "
-                       f"eval acc {ev['acc']:.4f}, {ips}, {clock['s']:.1f}s, ETA {eta:.0f}s")
+                       f"eval acc {ev['acc']:.4f}, {ips}, {wall['s']:.1f}s, ETA {eta:.0f}s")
         return row
 
     def stop_now(self) -> bool:
@@ -265,31 +229,19 @@ class Trainer:
         self.stop_agreed = stop > 0
         return total / max(1, seen)
 
-    def _collect_times(self, step_ms, data_ms, cycle_ms, timed, sizes) -> tuple[int, float]:
-        """Keep the timed (post-warm-up) steps' times; return this call's images and end-to-end milliseconds."""
-        keep = [i for i, t in enumerate(timed) if t]
-        self.step_ms += [step_ms[i] for i in keep]
-        self.data_ms += [data_ms[i] for i in keep]
-        self.cycle_ms += [cycle_ms[i] for i in keep]
-        images = sum(sizes[i] for i in keep)
-        self.timed_images += images
-        return images, sum(cycle_ms[i] for i in keep)
-
     # --- checkpoints ---------------------------------------------------------------------------
 
     _SCALARS = ("epoch", "step_in_epoch", "global_step", "skipped", "last_scale", "scale_history", "history",
-                "best_acc", "seen", "step_ms", "data_ms", "cycle_ms", "timed_images", "nonfinite_steps",
-                "consecutive_nonfinite")
+                "best_acc", "seen", "nonfinite_steps", "consecutive_nonfinite")
 
     def state_dict(self) -> dict:
         """The whole training state; under DDP every rank calls it (the epoch's loss and image counts are summed
         over the ranks, and resume on rank 0), and rank 0 writes it."""
         state = {k: getattr(self, k) for k in self._SCALARS}
-        loss_sum, state["seen"], state["timed_images"] = self.world.reduce(
-            [self.loss_sum.item(), self.seen, self.timed_images])
-        state["seen"], state["timed_images"] = int(state["seen"]), int(state["timed_images"])
-        state.update(model=self.model.state_dict(), opt=self.opt.state_dict(), sched=self.sched.state_dict(),
-                     scaler=self.scaler.state_dict(), loss_sum=loss_sum,
+        loss_sum, seen = self.world.reduce([self.loss_sum.item(), self.seen])
+        state["seen"] = int(seen)
+        state.update(clock=self.clock.state_dict(), model=self.model.state_dict(), opt=self.opt.state_dict(),
+                     sched=self.sched.state_dict(), scaler=self.scaler.state_dict(), loss_sum=loss_sum,
                      rng_cpu=torch.get_rng_state(),
                      rng_cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
         return state
@@ -297,6 +249,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         for k in self._SCALARS:
             setattr(self, k, state[k])
+        self.clock.load_state_dict(state["clock"])
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])
@@ -305,7 +258,7 @@ class Trainer:
         self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
         if not self.world.main:  # the sums over the ranks resume on rank 0 alone
             self.loss_sum.zero_()
-            self.seen = self.timed_images = 0
+            self.seen = 0
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(state["rng_cuda"])

@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ampbench import flops, measure, models
+from ampbench import models
+from ampbench.measure import flops, memory, stats
+from ampbench.precision import datasheet_column
 
 
 @dataclass
@@ -19,6 +21,7 @@ class RunResult:
     history: list[dict] = field(default_factory=list)  # one row per epoch
     scale_history: list[dict] = field(default_factory=list)  # every loss-scale change: step, scale, skipped
     step_times_ms: list[float] = field(default_factory=list)  # timed (post-warm-up) steps, end to end
+    step_rates: list[float] = field(default_factory=list)     # the same steps' images per second
     numerics: list[dict] = field(default_factory=list)  # the fp16 audit, one row per layer
     system: list[dict] = field(default_factory=list)    # CPU/memory/GPU samples taken while training
     profile_trace: str = ""                             # torch.profiler's Chrome trace of the profiled steps
@@ -26,21 +29,20 @@ class RunResult:
 
 def run_result(t) -> RunResult:
     """The ``RunResult`` of trainer ``t`` (an ``engine.Trainer``): metrics.json, history, series, step times."""
-    plan, device = t.plan, t.device
-    e2e_ms = t.cycle_ms
-    total_e2e, total_compute = sum(e2e_ms), sum(t.step_ms)
-    timed_images, data_ms = t.timed_images, sum(t.data_ms)
-    mem = measure.peak_memory(device)
+    plan, device, c = t.plan, t.device, t.clock
+    total_e2e, total_compute, data_ms = sum(c.cycle_ms), sum(c.compute_ms), sum(c.data_ms)
+    timed_images = c.timed_images  # every rank's images: the clock counts each step's global batch
+    mem = memory.peak_memory(device)
     # All ranks' images per wall second of the slowest rank, and the largest rank's memory (one rank: its own).
-    timed_images = int(t.world.reduce([timed_images])[0])
     total_e2e, total_compute, data_ms, *peaks = t.world.reduce(
         [total_e2e, total_compute, data_ms, mem["peak_mem_bytes"], mem["peak_reserved_bytes"] or 0], "max")
     mem["peak_mem_bytes"], mem["peak_reserved_bytes"] = int(peaks[0]), int(peaks[1]) or None
     params = list(t.model.parameters())
     last = t.history[-1] if t.history else {"eval_acc": None, "train_loss": None, "eval_loss": None}
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    ips = timed_images / (total_e2e / 1000) if total_e2e else None
-    peak_prec = flops.peak_precision(plan.precision, plan.train.allow_tf32)
+    ips = timed_images / (total_e2e / 1000) if total_e2e else None  # StepClock.imgs_per_s, the slowest rank's time
+    rates = c.step_rates()
+    peak_prec = datasheet_column(plan.precision, plan.train.allow_tf32)
     peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
     achieved = t.flops_per_image * ips / 1e12 if ips else None
     metrics = {
@@ -49,21 +51,22 @@ def run_result(t) -> RunResult:
         "arch": plan.model.arch, **models.describe(t.model, plan.model), "input_size": t.input_size,
         "num_classes": t.data_meta["num_classes"], "device": plan.device, "device_name": device_name,
         "imgs_per_s": ips,  # end to end (data, compute, host work between steps), after warm-up
+        "imgs_per_s_p10_p90": stats.rate_spread(rates),
         "compute_imgs_per_s": timed_images / (total_compute / 1000) if total_compute else None,
         "world_size": t.world.size, "backend": t.world.backend or None, "cpu_threads": torch.get_num_threads(),
         "grad_comm": plan.grad_comm if t.world.active else None,
         "imgs_per_s_per_process": ips / t.world.size if ips else None,
-        "step_time_ms": measure.summarize_ms(e2e_ms),          # end to end: what the report compares
-        "compute_time_ms": measure.summarize_ms(t.step_ms),  # forward, backward, optimizer step
-        "data_time_ms": measure.summarize_ms(t.data_ms),
+        "step_time_ms": stats.summarize_ms(c.cycle_ms),      # end to end
+        "compute_time_ms": stats.summarize_ms(c.compute_ms),  # forward, backward, optimizer step
+        "data_time_ms": stats.summarize_ms(c.data_ms),
         "data_time_fraction": data_ms / total_e2e if total_e2e else None,
-        "timed_steps": len(t.step_ms), "warmup_steps": plan.train.warmup_steps,
-        "epoch_time_s": measure.percentile([r["epoch_time_s"] for r in t.history], 50) if t.history else None,
+        "timed_steps": len(c.cycle_ms), "warmup_steps": plan.train.warmup_steps,
+        "epoch_time_s": stats.percentile([r["epoch_time_s"] for r in t.history], 50) if t.history else None,
         **mem,  # under DDP: the largest of the ranks' peaks
         "activation_bytes": t.activation_bytes,
-        "param_bytes": measure.tensor_bytes(params),
-        "grad_bytes": measure.tensor_bytes(params),  # one fp32 gradient per parameter
-        "optimizer_state_bytes": measure.optimizer_state_bytes(t.opt),
+        "param_bytes": memory.tensor_bytes(params),
+        "grad_bytes": memory.tensor_bytes(params),  # one fp32 gradient per parameter
+        "optimizer_state_bytes": memory.optimizer_state_bytes(t.opt),
         "dataset_bytes": t.train_batches.nbytes + t.test_batches.nbytes,
         "final_acc": last["eval_acc"], "best_acc": t.best_acc, "final_loss": last["train_loss"],
         "final_eval_loss": last["eval_loss"], "final_loss_scale": t.last_scale,
@@ -76,8 +79,8 @@ def run_result(t) -> RunResult:
         "torch": torch.__version__, "train_images": t.counts[0], "test_images": t.counts[1],
         "data_source": t.data_meta["source"],
     }
-    if not t.step_ms:
+    if not c.cycle_ms:
         metrics["timing_note"] = (f"no step was timed: every step fell within train.warmup_steps = "
                                   f"{plan.train.warmup_steps}")
     return RunResult(metrics=metrics, history=t.history, scale_history=t.scale_history,
-                     step_times_ms=e2e_ms)
+                     step_times_ms=c.cycle_ms, step_rates=rates)

@@ -17,11 +17,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ampbench import measure, numerics, profiling
 from ampbench.config import to_dict
 from ampbench.errors import AmpbenchError, NonFiniteTraining
+from ampbench.measure import stats
 from ampbench.runplan import RunPlan
-from ampbench.train import checkpoint, distributed
+from ampbench.train import checkpoint, distributed, numerics, profiling
 from ampbench.train.engine import Trainer
 from ampbench.train.metrics import RunResult, run_result
 
@@ -130,16 +130,18 @@ def train_repeats(plan: RunPlan, data: dict, *, progress: bool = True,
         runs.append(train(dataclasses.replace(plan, seed=plan.seed + i), data, progress=progress,
                           checkpoint_dir=ckpt, profile=i == 0, world=world))  # one profile: the first seed's
     out = dataclasses.replace(runs[0], metrics=dict(runs[0].metrics),
-                              step_times_ms=[t for r in runs for t in r.step_times_ms])
+                              step_times_ms=[t for r in runs for t in r.step_times_ms],
+                              step_rates=[t for r in runs for t in r.step_rates])
     m = out.metrics
     for key in REPEATED:
         values = [r.metrics[key] for r in runs if r.metrics.get(key) is not None]
-        mean, std = measure.mean_std(values) if values else (None, None)
+        mean, std = stats.mean_std(values) if values else (None, None)
         m[key], m[f"{key}_std"], m[f"{key}_runs"] = mean, (std if len(values) > 1 else None), values
     m["repeats"] = len(runs)
     m["seeds"] = [plan.seed + i for i in range(len(runs))]
     m["skipped_steps"] = sum(r.metrics["skipped_steps"] for r in runs)
-    m["step_time_ms"] = measure.summarize_ms(out.step_times_ms)
+    m["step_time_ms"] = stats.summarize_ms(out.step_times_ms)
+    m["imgs_per_s_p10_p90"] = stats.rate_spread(out.step_rates)
     for key in ("peak_mem_bytes", "peak_reserved_bytes"):
         values = [r.metrics[key] for r in runs if r.metrics.get(key) is not None]
         m[key] = max(values) if values else None

@@ -27,20 +27,13 @@ DATASHEET_PEAKS = [
 
 
 def datasheet_peak(gpu_name: str | None, precision: str) -> float | None:
-    """The datasheet dense peak (TFLOP/s) for ``precision`` (fp32 | tf32 | fp16 | bf16), if known."""
+    """The datasheet dense peak (TFLOP/s) in column ``precision`` (``precision.datasheet_column``), if known."""
     if not gpu_name:
         return None
     for pattern, peaks in DATASHEET_PEAKS:
         if re.search(pattern, gpu_name):
             return peaks.get(precision)
     return None
-
-
-def peak_precision(precision: str, allow_tf32: bool) -> str:
-    """Which datasheet column applies: fp32 runs on TF32 tensor cores when TF32 is allowed."""
-    if precision == "fp32":
-        return "tf32" if allow_tf32 else "fp32"
-    return precision
 
 
 def train_flops_per_image(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:

@@ -10,8 +10,9 @@ import copy
 
 import torch
 
-from ampbench import measure, step
+from ampbench.measure import memory
 from ampbench.precision import PrecisionPolicy
+from ampbench.train import step
 
 
 def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:
@@ -34,7 +35,7 @@ def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 def activation_bytes(model: torch.nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> int:
     """Bytes autograd saves for backward in one forward pass of ``x`` (on a copy, so BN stats stay put)."""
     probe = copy.deepcopy(model).train()
-    meter = measure.SavedTensorMeter()
+    meter = memory.SavedTensorMeter()
     with meter.measure(), policy.autocast():
         out = probe(x)
     del out, probe

@@ -1,7 +1,8 @@
 """Why a variant was (or was not) faster: a torch.profiler profile of a few optimizer steps, by category.
 
-After training, outside every timed step, ``profile_run`` copies the trained
-model, optimizer and GradScaler, runs one unprofiled step, then profiles
+After training, outside every timed step, ``profile_run`` builds the trainer's
+setup afresh (``setup.build``) with the trained model's, optimizer's and
+GradScaler's state, runs one unprofiled step, then profiles
 ``profile.steps`` more with the engine's own step (``step.train_step``). Each
 profiled op's self time (its kernels' time on a GPU, its CPU time on a CPU) goes
 to one category a person understands: the tensor-core work AMP speeds up
@@ -17,7 +18,6 @@ without their all-reduce (``no_sync``), slowest rank each.
 
 from __future__ import annotations
 
-import copy
 import os
 import re
 import tempfile
@@ -28,13 +28,12 @@ from collections.abc import Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from ampbench import measure
-
 # Kineto, torch.profiler's tracer, prints start/stop lines and, on a machine without a GPU, an "ERROR" that the
 # GPU count is zero; none of it is a problem, so only its fatal messages reach the terminal.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-from ampbench import step as step_fn
-from ampbench.train import distributed
+from ampbench.measure import clock
+from ampbench.train import distributed, setup
+from ampbench.train import step as step_fn
 
 TENSOR_CORE = "conv/matmul"
 CATEGORIES = (TENSOR_CORE, "normalization", "elementwise/activations", "softmax/reductions", "casts",
@@ -142,11 +141,11 @@ def exposed_communication(step, steps: int, world: distributed.World, device: to
     """How much of a DDP step is spent waiting for the gradient all-reduce: the steps with and without it."""
     def timed(sync: bool) -> float:
         world.barrier()
-        measure.synchronize(device)
+        clock.synchronize(device)
         start = time.perf_counter()
         for _ in range(steps):
             step(sync)
-        measure.synchronize(device)
+        clock.synchronize(device)
         return world.reduce([(time.perf_counter() - start) * 1000 / steps], "max")[0]  # the slowest rank
 
     with_ms, without_ms = timed(True), timed(False)
@@ -155,17 +154,14 @@ def exposed_communication(step, steps: int, world: distributed.World, device: to
 
 
 def profile_run(trainer, steps: int) -> tuple[dict, str]:
-    """Profile ``steps`` optimizer steps on copies of the trainer's model, optimizer and scaler; (summary, trace)."""
+    """Profile ``steps`` optimizer steps of the trainer's setup, built afresh with its trained state; (summary,
+    trace)."""
     t0 = time.perf_counter()
     device, on_cuda = trainer.device, trainer.device.type == "cuda"
     world = trainer.world
-    model = copy.deepcopy(trainer.model).train()
-    opt = type(trainer.opt)(model.parameters(), **trainer.opt.defaults)
-    opt.load_state_dict(trainer.opt.state_dict())
-    step_model = distributed.step_model(model, world, trainer.plan)  # as training runs it, compiled or not
-    scaler = trainer.policy.scaler()
-    if trainer.policy.uses_scaler:
-        scaler.load_state_dict(trainer.scaler.state_dict())
+    s = setup.build(trainer.plan, trainer.data_meta, device, world)  # as training runs it, compiled or not
+    s.load_state(trainer.model.state_dict(), trainer.opt.state_dict(), trainer.scaler.state_dict())
+
     def epochs():  # epochs training never saw, as many as the steps need
         e = trainer.plan.train.epochs
         while True:
@@ -174,26 +170,31 @@ def profile_run(trainer, steps: int) -> tuple[dict, str]:
 
     batches = epochs()
 
+    def train(x, y, sync: bool = True) -> None:
+        with distributed.sync_context(s.step_model, sync):  # sync=False: no all-reduce at all
+            step_fn.train_step(s.step_model, s.opt, s.scaler, s.policy, x, y, trainer.micro)
+
     def step(sync: bool = True) -> None:
         with record_function(DATA_SCOPE):  # the engine's data path: index, crop, flip, normalise on the device
             x, y = next(batches)
-        with distributed.sync_context(step_model, sync):  # sync=False: no all-reduce at all
-            step_fn.train_step(step_model, opt, scaler, trainer.policy, x, y, trainer.micro)
+        train(x, y, sync)
 
     step()  # unprofiled: allocations, cuDNN autotuning
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     # The profiler's own first step is slow (it starts its tracers): WARMUP steps are traced and thrown away.
     schedule = torch.profiler.schedule(wait=0, warmup=WARMUP, active=steps, repeat=1)
-    wall_ms = 0.0
+    timer = clock.StepClock(device, WARMUP)  # the trainer's clock; a step's wall time is its data and compute
+    timer.begin()
     with profile(activities=activities, record_shapes=True, schedule=schedule) as prof:
-        for i in range(WARMUP + steps):
-            measure.synchronize(device)
-            start = time.perf_counter()
-            step()
-            measure.synchronize(device)
-            if i >= WARMUP:
-                wall_ms += (time.perf_counter() - start) * 1000
-            prof.step()
+        for _ in range(WARMUP + steps):
+            with timer.data(), record_function(DATA_SCOPE):
+                x, y = next(batches)
+            with timer.compute():
+                train(x, y)
+            timer.step_done(len(y))
+            prof.step()  # outside the step's data and compute: the profiler's own work is not the step's
+    timer.end()
+    wall_ms = sum(timer.data_ms) + sum(timer.compute_ms)
     summary = summarize(prof.events(), steps, wall_ms, on_cuda)
     if world.active:
         summary["communication"] = exposed_communication(step, steps, world, device)

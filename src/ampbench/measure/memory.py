@@ -1,0 +1,67 @@
+"""Memory meters: the device's peak (CUDA allocated and reserved, or the process's peak RSS), the bytes
+autograd saves for backward (activations), and the bytes of parameters, gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import sys
+from contextlib import contextmanager
+
+import torch
+
+
+def reset_peak_memory(device: torch.device | str) -> None:
+    """Start the peak counters afresh; on CUDA first return cached blocks left by earlier probes."""
+    if torch.device(device).type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()  # else "peak reserved" would count what the probes left in the cache
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory(device: torch.device | str) -> dict:
+    """Peak memory since the last reset: CUDA allocated and reserved, or the process's peak RSS."""
+    if torch.device(device).type == "cuda":
+        return {"peak_mem_bytes": torch.cuda.max_memory_allocated(),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+                "mem_meter": "cuda_max_memory_allocated"}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss_bytes = rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+    return {"peak_mem_bytes": rss_bytes, "peak_reserved_bytes": None, "mem_meter": "process_peak_rss"}
+
+
+class SavedTensorMeter:
+    """Bytes of tensors autograd saves for backward (activation memory) while active.
+
+    Each storage is counted once, however many saved tensors view it, so the
+    count is the memory those activations really hold.
+    """
+
+    def __init__(self):
+        self.bytes = 0
+        self.count = 0
+        self._seen: set[int] = set()
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key not in self._seen and not isinstance(t, torch.nn.Parameter):
+            self._seen.add(key)
+            self.bytes += storage.nbytes()
+            self.count += 1
+        return t
+
+    @contextmanager
+    def measure(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            yield self
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
+               for state in optimizer.state.values())
