@@ -121,7 +121,8 @@ class StepClock:
         self.process_steps += 1
 
     def end(self) -> tuple[int, float]:
-        """Close the window (one device sync); keep its timed steps; return their images and cycle ms."""
+        """Close the window (the timers are read after a device sync); keep its timed steps; return their images
+        and cycle milliseconds."""
         if self._open:
             self._timers[0].stop()
             self._open = False

@@ -19,8 +19,9 @@ def sweep(summary: dict, env: dict, runs: dict) -> list[str]:
     meter = "CUDA peak allocated" if cuda else "activations (bytes saved for backward; peak RSS says little here)"
     batches = sorted({p["batch_size"] for pts in s["points"].values() for p in pts})
     out = ["## Batch-size sweep", "",
-           f"Short timed runs, not training: {s['steps']} optimizer steps per point after 2 untimed ones, a fresh "
-           f"model, the engine's step, end-to-end img/s (p10 to p90 step) and {meter}. "
+           f"Short timed runs, not training: {s['steps']} optimizer steps per point after {s['warmup']} untimed "
+           "ones, a fresh model built as training builds it (cuDNN autotuning on a GPU), the engine's step, "
+           f"img/s as training measures it (p10 to p90 of the steps' rates) and {meter}. "
            f"{s['measured_points']} point(s) measured in this run, {s['reused_points']} reused from an earlier "
            "run with the same settings, data, machine and code.", "",
            "| batch | " + " | ".join(s["points"]) + " |", "|---|" + "---|" * len(s["points"])]

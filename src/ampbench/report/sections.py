@@ -138,7 +138,7 @@ def profile(summary: dict, env: dict, runs: dict) -> list[str]:
     names = list(rows)
     first = rows[names[0]]
     lines += [f"Time per optimizer step by op category, from torch.profiler over {first['steps']} steps per variant "
-              f"after training, on copies of the trained model (never inside a timed step); time is {first['basis']}"
+              f"after training, with the trained model's state (never inside a timed step); time is {first['basis']}"
               ", each op's own time (self time), with the dtypes it ran in.", "",
               "| category | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for cat in profile_categories(list(rows.values())):

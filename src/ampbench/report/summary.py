@@ -94,10 +94,11 @@ def compare(base: dict, run: dict, peak_ratio: float | None = None) -> dict | No
                          "role": roles.get(cat)}
     tc = sum(c.get("ms_per_step", 0.0) for cat, c in bp["categories"].items() if roles.get(cat) == "tensor_core")
     share = tc / bp["wall_ms_per_step"] if bp["wall_ms_per_step"] else 0.0
-    out = {"categories": rows, "tensor_core_share": share,
-           "amdahl_bound": 1 / (1 - share) if share < 1 else None,
+    known = bool(roles)  # a profile that does not say which time is tensor-core work gives no bound
+    out = {"categories": rows, "tensor_core_share": share if known else None,
+           "amdahl_bound": 1 / (1 - share) if known and share < 1 else None,
            "step_speedup": ratio(bp["wall_ms_per_step"], rp["wall_ms_per_step"])}
-    if peak_ratio:
+    if peak_ratio and known:
         out["peak_ratio"] = peak_ratio
         out["amdahl_bound_at_peak"] = 1 / ((1 - share) + share / peak_ratio)
     return out
@@ -162,7 +163,8 @@ def sweep(found: dict | None) -> dict | None:
     base = (largest.get("fp32") or {}).get("largest_batch")
     for row in largest.values():
         row["vs_fp32"] = row["largest_batch"] / base if base and row.get("largest_batch") else None
-    return {"device": found["device"], "steps": found["steps"], "points": by_prec, "largest": largest,
+    return {"device": found["device"], "steps": found["steps"], "warmup": found.get("warmup", 2), "points": by_prec,
+            "largest": largest,
             "reused_points": found.get("reused_points"), "measured_points": found.get("measured_points")}
 
 

@@ -74,7 +74,7 @@ class Trainer:
         self.plan, self.progress, self.data_meta = plan, progress and world.main, data["meta"]
         self.counts = (len(data["train"][1]), len(data["test"][1]))
         self.device = device = world.device(torch.device(plan.device).type)
-        s = setup.build(plan, data["meta"], device, world)  # the model, optimizer, policy, scaler, step model
+        self.setup = s = setup.build(plan, data["meta"], device, world)  # model, optimizer, policy, scaler...
         self.policy = s.policy
         self.model = s.model
         self.opt = s.opt
@@ -189,8 +189,8 @@ class Trainer:
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.sched.get_last_lr()[0]:.3g}")
                     if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
                         self.fail("the training loss became inf/NaN")
+            ep_images, ep_ms = self.clock.end()  # the last step's cycle ends with the loop, as the others do
         bar.close()
-        ep_images, ep_ms = self.clock.end()
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
         # all ranks' images per wall second of the slowest rank; the ranks' scalers must agree
@@ -235,8 +235,8 @@ class Trainer:
                 "best_acc", "seen", "nonfinite_steps", "consecutive_nonfinite")
 
     def state_dict(self) -> dict:
-        """The whole training state; under DDP every rank calls it (the epoch's loss and image counts are summed
-        over the ranks, and resume on rank 0), and rank 0 writes it."""
+        """The whole training state; under DDP every rank calls it (the epoch's loss sum and image count are summed
+        over the ranks and resume on rank 0; the clock counts every rank's images already), and rank 0 writes it."""
         state = {k: getattr(self, k) for k in self._SCALARS}
         loss_sum, seen = self.world.reduce([self.loss_sum.item(), self.seen])
         state["seen"] = int(seen)
@@ -250,11 +250,8 @@ class Trainer:
         for k in self._SCALARS:
             setattr(self, k, state[k])
         self.clock.load_state_dict(state["clock"])
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["opt"])
+        self.setup.load_state(state["model"], state["opt"], state["scaler"])
         self.sched.load_state_dict(state["sched"])
-        if state["scaler"]:
-            self.scaler.load_state_dict(state["scaler"])
         self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
         if not self.world.main:  # the sums over the ranks resume on rank 0 alone
             self.loss_sum.zero_()
