@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from ampbench import env
@@ -55,11 +56,17 @@ def test_warnings_for_old_driver_and_no_tensor_cores():
     assert any("emulated" in w for w in env.warnings_for(CPU_INFO))
 
 
-def test_set_tf32_flags():
+def test_set_tf32_flags_and_every_getter_stays_readable():
+    """torch reads its TF32 state through old and new getters (inductor with train.compile, users' factories):
+    none may raise after ampbench sets the flags, in either mode and back."""
     from ampbench import precision
-    assert precision.set_tf32(False) == {"matmul_fp32_precision": "ieee", "cudnn_conv_fp32_precision": "ieee"}
-    assert precision.set_tf32(True)["matmul_fp32_precision"] == "tf32"
-    precision.set_tf32(False)
+    for allow in (False, True, False):
+        mode = "tf32" if allow else "ieee"
+        assert precision.set_tf32(allow) == {"matmul_fp32_precision": mode, "cudnn_conv_fp32_precision": mode}
+        assert torch.backends.cudnn.allow_tf32 is allow and torch.backends.cuda.matmul.allow_tf32 is allow
+        assert torch.get_float32_matmul_precision() == ("high" if allow else "highest")
+        assert torch.backends.cuda.matmul.fp32_precision == mode
+        assert torch.backends.cudnn.conv.fp32_precision in (mode, "none")  # "none": cuDNN's own flag decides
 
 
 def _env_check(tmp_path, params: dict | str):
@@ -107,3 +114,43 @@ def test_env_check_stage_cpu_writes_env_and_plans(tmp_path, tiny_params):
     first = (tmp_path / "reports" / "env.json").read_bytes()
     _env_check(tmp_path, tiny_params)
     assert (tmp_path / "reports" / "env.json").read_bytes() == first
+
+
+def _fake_gpu(monkeypatch, name: str, cap: tuple[int, int], arch_list: list[str]) -> dict:
+    """env.probe() on a machine whose torch.cuda reports one GPU ``name`` of capability ``cap``."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(name=name, total_memory=16 * 2**30, multi_processor_count=40))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i: cap)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: cap >= (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    monkeypatch.setattr(env, "_driver_version", lambda: "580.65")
+    return env.probe()
+
+
+CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]  # what the cu130 wheel carries
+
+
+@pytest.mark.parametrize(("name", "cap", "runs", "tensor_cores"), [
+    ("Tesla V100-SXM2-16GB", (7, 0), False, True),    # sm_70: no kernels in the cu130 wheel
+    ("Tesla P100-PCIE-16GB", (6, 0), False, False),
+    ("NVIDIA GeForce RTX 4090", (8, 9), True, True),  # sm_89 runs the sm_86 kernels
+    ("NVIDIA L40S", (8, 9), True, True),
+    ("NVIDIA GeForce GTX 1660 Ti", (7, 5), True, False),  # Turing without tensor cores
+    ("NVIDIA H200", (9, 0), True, True),
+])
+def test_a_gpu_the_torch_build_has_no_kernels_for_is_refused_by_env_check(monkeypatch, name, cap, runs,
+                                                                           tensor_cores):
+    info = _fake_gpu(monkeypatch, name, cap, CU130)
+    assert info["gpu"]["kernels"] is runs and info["gpu"]["tensor_cores"] is tensor_cores
+    if runs:
+        assert env.resolve_device("auto", info, {"fp32", "fp16"}) == "cuda"
+    else:
+        with pytest.raises(EnvironmentMismatch) as err:
+            env.resolve_device("auto", info, {"fp32", "fp16"})
+        assert f"sm_{cap[0]}{cap[1]}" in str(err.value) and "sm_75, sm_80" in str(err.value)
+        assert "install a torch build" in str(err.value)

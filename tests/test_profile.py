@@ -164,23 +164,36 @@ def test_report_explains_from_the_profile(tmp_path):
 
 
 def test_cuda_summary_counts_kernels_and_busy_time():
-    """On CUDA each op's time is its kernels' (self device) time; kernels give the GPU's busy share."""
+    """On CUDA each op's time is its kernels' (self device) time; kernels alone give the GPU's busy share: not
+    Kineto's gpu_user_annotation mirrors of record_function ranges, not memcpy/memset, overlaps counted once."""
     from types import SimpleNamespace as NS
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
     def op(name, device_us, parent=None, dtypes=("c10::Half",)):
         return NS(name=name, device_type=cpu, self_device_time_total=device_us, self_cpu_time_total=5.0,
-                  cpu_parent=parent, input_dtypes=list(dtypes))
+                  cpu_parent=parent, input_dtypes=list(dtypes), activity_type="cpu_op")
 
-    def kernel(us):
-        return NS(name="void kernel", device_type=cuda, time_range=NS(elapsed_us=lambda: us), cpu_parent=None)
+    def device(name, start, end, kind):
+        return NS(name=name, device_type=cuda, time_range=NS(start=start, end=end, elapsed_us=lambda: end - start),
+                  cpu_parent=None, activity_type=kind, is_user_annotation=kind == "gpu_user_annotation")
 
     conv = op("aten::cudnn_convolution", 600.0)
     bn = op("aten::native_batch_norm", 200.0, dtypes=("float",))
-    events = [conv, kernel(400.0), kernel(200.0), bn, kernel(200.0)]
+    events = [conv, device("implicit_gemm", 0, 400, "kernel"), device("wgrad", 300, 500, "kernel"),  # overlap
+              bn, device("bn_fw", 1000, 1200, "kernel"),
+              device("ProfilerStep#3", 0, 2000, "gpu_user_annotation"),  # the step's range on the GPU timeline
+              device("ampbench::data", 0, 100, "gpu_user_annotation"),
+              device("Memcpy HtoD (Pageable -> Device)", 1500, 1900, "gpu_memcpy"),
+              device("Memset (Device)", 1900, 1950, "gpu_memset")]
     s = profiling.summarize(events, steps=2, wall_ms=2.0, on_cuda=True)
     assert s["basis"] == "CUDA kernel time" and s["kernels_per_step"] == 1.5
-    assert s["gpu_busy_ms_per_step"] == pytest.approx(0.4) and s["gpu_busy_fraction"] == pytest.approx(0.4)
+    # busy: 0-500 (two overlapping kernels) and 1000-1200 = 700 us over 2 steps
+    assert s["gpu_busy_ms_per_step"] == pytest.approx(0.35) and s["gpu_busy_fraction"] == pytest.approx(0.35)
     assert s["categories"]["conv/matmul"] == {"ms_per_step": pytest.approx(0.3), "share": pytest.approx(0.3),
                                               "dtypes": "fp16 100%"}
     assert s["categories"]["normalization"]["dtypes"] == "fp32 100%"
+
+
+def test_busy_time_merges_overlapping_kernels():
+    assert profiling.busy_us([(0, 10), (5, 15), (20, 30), (22, 25)]) == 25
+    assert profiling.busy_us([]) == 0

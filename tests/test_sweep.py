@@ -143,3 +143,20 @@ def test_the_sweep_key_covers_what_the_sweep_runs_and_the_users_model():
     assert sweep.point_key(*args) == key
     assert sweep.point_key(*args[:5], {"model": "small_cnn", "factory_source": "abc"}, "code1") != key  # a factory
     assert sweep.point_key(*args[:6], "code2") != key  # ampbench's code
+
+
+def test_a_memory_cap_on_cuda_names_the_device_index(monkeypatch):
+    """sweep.memory_limit_gib: torch's set_per_process_memory_fraction (run for real up to the driver call) takes
+    a device index, and the stage's device is plain "cuda"."""
+    from types import SimpleNamespace
+
+    from ampbench import config
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction", lambda frac, index: calls.append((frac, index)),
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=96 * 2**30))
+    cfg = config.from_dict({"sweep": {"memory_limit_gib": 24}})
+    sweep.cap_memory(cfg, torch.device("cuda"))
+    assert calls == [(0.25, 0)]

@@ -12,6 +12,7 @@ import ast
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import urllib.request
@@ -82,14 +83,31 @@ def probe() -> dict:
             "total_memory_bytes": props.total_memory,
             "multiprocessors": props.multi_processor_count,
             "driver": _driver_version(),
-            "tensor_cores": cap >= (7, 0),           # Volta and later
-            "fp16_tensor_cores": cap >= (7, 0),
+            "tensor_cores": has_tensor_cores(props.name, cap),
+            "fp16_tensor_cores": has_tensor_cores(props.name, cap),
+            "arch_list": torch.cuda.get_arch_list(),  # the architectures this torch build carries kernels for
+            "kernels": has_kernels(cap, torch.cuda.get_arch_list()),
             "bf16_supported": torch.cuda.is_bf16_supported(including_emulation=False),
             "tf32_capable": cap >= (8, 0),           # Ampere and later
         }
         nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
         info["nccl"] = list(nccl) if isinstance(nccl, tuple) else nccl
     return info
+
+
+def has_tensor_cores(name: str, cap: tuple[int, int]) -> bool:
+    """Volta (sm_70) and later have tensor cores, except Turing's GeForce GTX 16xx (sm_75 without them)."""
+    return cap >= (7, 0) and not re.search(r"GTX 16\d\d", name)
+
+
+def has_kernels(cap: tuple[int, int], arch_list: list[str]) -> bool:
+    """Whether a torch build carrying ``arch_list`` runs on a GPU of capability ``cap``, by torch's rule: an
+    ``sm_`` entry of the same major version and a minor no higher than the device's (an sm_89 RTX 4090 runs
+    sm_86 kernels). An empty list (a build that does not say) is taken to run."""
+    sms = [m.group(1) for a in arch_list if (m := re.fullmatch(r"sm_(\d+)[af]?", a))]
+    if not arch_list:
+        return True
+    return any(int(sm) // 10 == cap[0] and int(sm) % 10 <= cap[1] for sm in sms)
 
 
 def warnings_for(info: dict) -> list[str]:
@@ -122,6 +140,13 @@ def resolve_device(requested: str, info: dict, precisions: set[str]) -> str:
             "fp32, so the comparison would mislead. Run the CPU demo instead (make demo), "
             "or set device: cpu in params.yaml to force the CPU run")
     device = "cuda" if requested in ("auto", "cuda") else "cpu"
+    gpu = info["gpu"]
+    if device == "cuda" and gpu and not gpu.get("kernels", True):
+        raise EnvironmentMismatch(
+            f"{gpu['name']} (compute capability {gpu['capability']}, sm_{gpu['capability'].replace('.', '')}) has "
+            f"no kernels in this torch {info['torch']} build, which carries {', '.join(gpu['arch_list'])}; "
+            "install a torch build that lists your GPU's architecture (torch.cuda.get_arch_list()), or run on "
+            "another GPU")
     for name in sorted(precisions) if device == "cuda" else ():
         reason = precision.unsupported(name, info["gpu"])
         if reason:

@@ -77,16 +77,21 @@ def set_tf32(allow: bool) -> dict:
 
     On Ampere and later, PyTorch runs fp32 convolutions in TF32 by default, so an
     "FP32" baseline would really be TF32. The strict baseline sets IEEE fp32.
+
+    Set through the ``allow_tf32`` flags, not the ``fp32_precision`` API: setting the latter for matmuls and
+    convolutions alone leaves torch (2.14) with a mix it refuses to report, so that
+    ``torch.backends.cudnn.allow_tf32`` (strict) or ``torch.backends.cuda.matmul.allow_tf32`` and
+    ``torch.get_float32_matmul_precision()`` (TF32) raise, and inductor and users' code read those.
     """
-    mode = "tf32" if allow else "ieee"
-    torch.backends.cuda.matmul.fp32_precision = mode
-    torch.backends.cudnn.conv.fp32_precision = mode
+    torch.backends.cuda.matmul.allow_tf32 = allow
+    torch.backends.cudnn.allow_tf32 = allow
     return tf32_flags()
 
 
 def tf32_flags() -> dict:
-    return {"matmul_fp32_precision": torch.backends.cuda.matmul.fp32_precision,
-            "cudnn_conv_fp32_precision": torch.backends.cudnn.conv.fp32_precision}
+    """What fp32 matmuls and cuDNN convolutions run in: ``tf32`` or ``ieee``."""
+    return {"matmul_fp32_precision": "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee",
+            "cudnn_conv_fp32_precision": "tf32" if torch.backends.cudnn.allow_tf32 else "ieee"}
 
 
 @dataclass(frozen=True)

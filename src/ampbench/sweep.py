@@ -178,8 +178,9 @@ def limit_bytes(cfg: Config, device: torch.device) -> tuple[int, str]:
 def cap_memory(cfg: Config, device: torch.device) -> None:
     """On CUDA, let the process use at most sweep.memory_limit_gib (e.g. 24 to answer for a 24 GB card)."""
     if device.type == "cuda" and cfg.sweep.memory_limit_gib:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.sweep.memory_limit_gib * 2**30 / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index  # torch wants an index here
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.sweep.memory_limit_gib * 2**30 / total), index)
 
 
 def find_max(bench: Bench, points: list[dict], cfg: Config, dataset_bytes: int) -> dict:
@@ -256,7 +257,7 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
         if stale.name not in wanted:
             stale.unlink()
     result = {"enabled": True, "device": device.type, "precisions": list(precisions),
-              "batch_sizes": list(cfg.sweep.batch_sizes), "steps": cfg.sweep.steps, "points": rows,
+              "batch_sizes": list(cfg.sweep.batch_sizes), "steps": cfg.sweep.steps, "warmup": WARMUP, "points": rows,
               "largest": largest, "reused_points": reused, "measured_points": len(rows) - reused}
     write_json(out / "max.json", largest)
     atomic_write(out / "sweep.csv", csv_text(rows, SWEEP_COLUMNS))

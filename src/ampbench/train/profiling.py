@@ -101,15 +101,35 @@ def _scopes(event) -> list[str]:
     return out
 
 
+def _is_kernel(event) -> bool:
+    """A device event that is a kernel: not a memcpy or memset, and not Kineto's gpu_user_annotation mirror of a
+    record_function range (ProfilerStep, the data range, Optimizer.step) on the GPU timeline."""
+    kind = getattr(event, "activity_type", None)  # Kineto's activity type, where torch records it
+    if kind is not None:
+        return kind == "kernel"
+    return not getattr(event, "is_user_annotation", False) and not event.name.startswith(("Memcpy", "Memset"))
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The time covered by (start, end) intervals, overlaps counted once: kernels on several streams at once
+    keep the GPU busy once, not twice."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
 def summarize(events, steps: int, wall_ms: float, on_cuda: bool) -> dict:
     """Per category: milliseconds per step, share of the step's wall time, and the dtypes it ran in."""
     ms = defaultdict(float)
     dtype_ms: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    kernels, busy_us = 0, 0.0
+    kernels: list[tuple[float, float]] = []
     for e in events:
-        if e.device_type != torch.autograd.DeviceType.CPU:  # a kernel: counted through its launching op
-            kernels += 1
-            busy_us += e.time_range.elapsed_us()
+        if e.device_type != torch.autograd.DeviceType.CPU:  # device time is counted through its launching op
+            if _is_kernel(e):
+                kernels.append((e.time_range.start, e.time_range.end))
             continue
         us = e.self_device_time_total if on_cuda else e.self_cpu_time_total
         if us <= 0:
@@ -132,8 +152,9 @@ def summarize(events, steps: int, wall_ms: float, on_cuda: bool) -> dict:
            "category_order": list(CATEGORIES), "category_roles": dict(ROLES),
            "attributed_ms_per_step": sum(ms.values()) / steps}
     if on_cuda:
-        out.update(kernels_per_step=kernels / steps, gpu_busy_ms_per_step=busy_us / 1000 / steps,
-                   gpu_busy_fraction=busy_us / 1000 / wall_ms if wall_ms else None)
+        busy = busy_us(kernels)
+        out.update(kernels_per_step=len(kernels) / steps, gpu_busy_ms_per_step=busy / 1000 / steps,
+                   gpu_busy_fraction=busy / 1000 / wall_ms if wall_ms else None)
     return out
 
 
