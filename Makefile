@@ -5,9 +5,21 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: install repro demo test lint mlflow-ui bench gpu-check
 
+# A driver too old for the pinned torch's CUDA: install torch from a package index for an older CUDA, e.g.
+#   rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126
+# with TORCH_PAIR a torch/torchvision pair that index holds (the default: the pinned pair).
+TORCH_INDEX ?=
+TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
+
 $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	python3 -m venv $(VENV)
+ifdef TORCH_INDEX
+	$(PY) -m pip install -q --index-url $(TORCH_INDEX) $(TORCH_PAIR)
+	grep -vE '^(torch|torchvision)==' requirements.txt > $(VENV)/requirements-without-torch.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements-without-torch.txt -r requirements-dev.txt
+else
 	$(PY) -m pip install -q -r requirements.txt -r requirements-dev.txt
+endif
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -50,7 +51,6 @@ def test_cpu_and_cuda_resolve():
 
 
 def test_warnings_for_old_driver_and_no_tensor_cores():
-    assert any("545.23" in w for w in env.warnings_for(_gpu(driver="535.104")))
     assert env.warnings_for(_gpu()) == []
     assert any("no tensor cores" in w for w in env.warnings_for(_gpu(tensor_cores=False, capability="6.1")))
     assert any("emulated" in w for w in env.warnings_for(CPU_INFO))
@@ -154,3 +154,46 @@ def test_a_gpu_the_torch_build_has_no_kernels_for_is_refused_by_env_check(monkey
             env.resolve_device("auto", info, {"fp32", "fp16"})
         assert f"sm_{cap[0]}{cap[1]}" in str(err.value) and "sm_75, sm_80" in str(err.value)
         assert "install a torch build" in str(err.value)
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, driver: str) -> None:
+    """An nvidia-smi on PATH that answers the driver query as a real one does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    smi = bin_dir / "nvidia-smi"
+    smi.write_text(f"#!/bin/sh\necho '{driver}'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize(("cuda", "driver", "needed"), [("13.0", "550.54.15", "580.65.06"),
+                                                        ("12.8", "470.256.02", "525.60.13")])
+def test_a_driver_too_old_for_the_torch_build_is_named_with_the_fix(tmp_path, monkeypatch, cuda, driver, needed):
+    """torch sees no GPU (the driver is older than its CUDA build needs) while nvidia-smi shows one: env_check says
+    so, with the driver's version, the one needed, and how to install a torch for an older CUDA."""
+    _fake_nvidia_smi(tmp_path, monkeypatch, driver)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    info = env.probe()
+    assert info["driver"] == driver and info["gpu"] is None
+    with pytest.raises(EnvironmentMismatch) as err:
+        env.resolve_device("auto", info, {"fp32", "fp16"})
+    msg = str(err.value)
+    assert f"driver {driver}" in msg and f"CUDA {cuda}" in msg and f"needs driver {needed} or later" in msg
+    assert "make install TORCH_INDEX=" in msg and "found no CUDA GPU" not in msg
+    assert env.resolve_device("cpu", info, {"fp32"}) == "cpu"  # device: cpu still runs
+
+
+def test_a_new_enough_driver_without_a_usable_gpu_gets_the_no_gpu_message(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, "580.82.07")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(EnvironmentMismatch, match="found no CUDA GPU"):
+        env.resolve_device("auto", env.probe(), {"fp32"})
+
+
+def test_the_makefile_installs_torch_from_another_index_when_asked():
+    dry = subprocess.run(["make", "-n", "-B", ".venv/.installed", "TORCH_INDEX=https://example.invalid/cu126"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    assert "--index-url https://example.invalid/cu126 torch==2.14.1 torchvision==0.29.1" in dry
+    assert "requirements-without-torch.txt" in dry

@@ -26,7 +26,11 @@ from ampbench.config import resolve_backend
 from ampbench.errors import EnvironmentMismatch
 
 PACKAGE = Path(__file__).resolve().parent  # src/ampbench
-MIN_DRIVER = (545, 23)  # the article's minimum driver for CUDA 12.1-era fp16 kernels
+# The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA Toolkit release notes, "CUDA Toolkit and
+# Corresponding Driver Versions", minor version compatibility): a torch wheel built for CUDA 13.0 needs r580.
+MIN_DRIVER_FOR_CUDA = {13: (580, 65, 6), 12: (525, 60, 13), 11: (450, 80, 2)}
+# A torch build for an older CUDA, for a machine whose driver is too old: the Makefile installs it this way.
+OLDER_TORCH = "rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126"
 
 
 def _cpu_model() -> str:
@@ -57,6 +61,17 @@ def _version_tuple(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(".") if p.isdigit())
 
 
+def min_driver(cuda: str | None) -> tuple[int, ...] | None:
+    """The oldest driver that runs a torch build for CUDA ``cuda`` (torch.version.cuda), if known."""
+    if not cuda:
+        return None
+    return MIN_DRIVER_FOR_CUDA.get(_version_tuple(cuda)[0])
+
+
+def _dotted(version: tuple[int, ...]) -> str:
+    return ".".join(f"{v:02d}" if i == 2 else str(v) for i, v in enumerate(version))
+
+
 def probe() -> dict:
     """Describe this machine's accelerator, software and CPU (deterministic)."""
     info: dict = {
@@ -71,6 +86,7 @@ def probe() -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "tf32_defaults": precision.tf32_flags(),  # before ampbench sets them: what a plain "fp32" run here would use
         "gpu": None,
+        "driver": _driver_version(),  # from nvidia-smi: there even when torch cannot use the GPU
     }
     if info["cuda_available"]:
         idx = torch.cuda.current_device()
@@ -82,7 +98,7 @@ def probe() -> dict:
             "capability": f"{cap[0]}.{cap[1]}",
             "total_memory_bytes": props.total_memory,
             "multiprocessors": props.multi_processor_count,
-            "driver": _driver_version(),
+            "driver": info["driver"],
             "tensor_cores": has_tensor_cores(props.name, cap),
             "fp16_tensor_cores": has_tensor_cores(props.name, cap),
             "arch_list": torch.cuda.get_arch_list(),  # the architectures this torch build carries kernels for
@@ -118,8 +134,7 @@ def warnings_for(info: dict) -> list[str]:
         out.append("no CUDA GPU: fp16 autocast on a CPU is emulated and slower than fp32; "
                    "the numbers describe this CPU, not what fp16 buys on a GPU")
         return out
-    if gpu["driver"] and _version_tuple(gpu["driver"]) < MIN_DRIVER:
-        out.append(f"NVIDIA driver {gpu['driver']} is older than 545.23; update it for current fp16 kernels")
+
     if not gpu["tensor_cores"]:
         out.append(f"{gpu['name']} (compute capability {gpu['capability']}) has no tensor cores: "
                    "fp16 will save memory but will not run much faster than fp32")
@@ -129,6 +144,13 @@ def warnings_for(info: dict) -> list[str]:
 def resolve_device(requested: str, info: dict, precisions: set[str]) -> str:
     """Return ``cuda`` or ``cpu`` for ``device: auto|cuda|cpu``, or stop with the remedy."""
     has_cuda = info["cuda_available"]
+    driver, needed = info.get("driver"), min_driver(info.get("cuda_runtime"))
+    if requested in ("auto", "cuda") and not has_cuda and driver and needed and _version_tuple(driver) < needed:
+        raise EnvironmentMismatch(
+            f"nvidia-smi shows a GPU with NVIDIA driver {driver}, too old for this torch {info['torch']} built for "
+            f"CUDA {info['cuda_runtime']} (it needs driver {_dotted(needed)} or later), so torch cannot use the GPU; "
+            f"update the driver, or install a torch build for an older CUDA: {OLDER_TORCH} (README: an older "
+            "driver)")
     if requested == "cuda" and not has_cuda:
         raise EnvironmentMismatch(
             "params.yaml: device = 'cuda' but torch sees no CUDA GPU here "
