@@ -24,8 +24,8 @@ def test_largest_batch_is_exact_against_a_fake_allocator(start, limit):
         if batch > limit:
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory: tried {batch}")
 
-    largest, tries = sweep.largest_batch(sweep.fits(attempt, lambda: freed.append(1)), start)
-    assert largest == limit
+    largest, tries, capped = sweep.largest_batch(sweep.fits(attempt, lambda: freed.append(1)), start)
+    assert largest == limit and not capped
     assert len(freed) == len(tries)  # memory freed after every attempt, fitting or not
     assert len(tries) <= 2 * (limit.bit_length() + start.bit_length()) + 2  # doubling then bisection, not a scan
 
@@ -39,7 +39,50 @@ def test_only_out_of_memory_means_it_does_not_fit():
 
 
 def test_largest_batch_respects_the_ceiling():
-    assert sweep.largest_batch(lambda b: True, 16, ceiling=100)[0] == 64
+    largest, _, capped = sweep.largest_batch(lambda b: True, 16, ceiling=100)
+    assert largest == 64 and capped  # a lower bound, not the largest batch
+
+
+def test_an_edge_error_means_does_not_run_and_a_broken_context_stops_the_search():
+    """cuDNN finding no engine or an int32 index limit at a large batch: that batch does not run (the message is
+    kept) and the search goes on; an illegal address breaks the CUDA context: the search stops with what it had."""
+    notes, freed = [], []
+
+    def attempt(batch):
+        if batch > 700:
+            raise RuntimeError("cuDNN error: CUDNN_BACKEND_API_FAILED: unable to find an engine to execute this "
+                               "computation\nmore detail")
+    largest, _, _ = sweep.largest_batch(sweep.fits(attempt, lambda: freed.append(1), notes), 32)
+    assert largest == 700 and notes and notes[0].startswith("batch 1024 does not run: cuDNN error")
+    assert "more detail" not in notes[0]
+
+    def broken(batch):
+        if batch >= 256:
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    with pytest.raises(sweep.SearchStopped) as stop:
+        sweep.largest_batch(sweep.fits(broken, lambda: None), 32)
+    assert stop.value.found == 128 and stop.value.batch == 256 and "illegal memory access" in stop.value.message
+
+
+def test_the_cuda_search_labels_what_it_found(monkeypatch):
+    """measured, a lower bound at the ceiling, or stopped by a CUDA error: never a ceiling called measured."""
+    from types import SimpleNamespace
+
+    def bench(limit=None, broken_at=None):
+        def try_step(batch):
+            if broken_at and batch >= broken_at:
+                raise torch.AcceleratorError("CUDA error: unspecified launch failure")
+            if limit and batch > limit:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return SimpleNamespace(precision="fp16", try_step=try_step, free=lambda: None)
+
+    found = sweep.search_max(bench(limit=3000), 256, 2**34, "limit")
+    assert (found["largest_batch"], found["method"]) == (3000, "measured") and "cuDNN autotuning on" in found["how"]
+    capped = sweep.search_max(bench(), 256, 2**34, "limit", ceiling=4096)
+    assert (capped["largest_batch"], capped["method"]) == (4096, "lower bound") and "at least" in capped["how"]
+    stopped = sweep.search_max(bench(broken_at=2048), 256, 2**34, "limit")
+    assert (stopped["largest_batch"], stopped["method"]) == (1024, "stopped")
+    assert "unspecified launch failure" in stopped["how"]
 
 
 def _stage(repo, *extra, package=None):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -100,6 +101,12 @@ class Bench:
         timer.end()
         return timer
 
+    def try_step(self, batch: int) -> None:
+        """One optimizer step at ``batch``, waited for, so that an error of its kernels surfaces here."""
+        x, y = next(self.batches(batch).epoch(0))
+        step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch)
+        clock.synchronize(self.device)
+
     def free(self) -> None:
         """Drop gradients and cached blocks, e.g. after an out-of-memory attempt."""
         self.opt.zero_grad(set_to_none=True)
@@ -127,26 +134,66 @@ class Bench:
         return 2 * memory.tensor_bytes(params) + memory.optimizer_state_bytes(self.opt)
 
 
-def fits(attempt: Callable[[int], object], free: Callable[[], None]) -> Callable[[int], bool]:
-    """``attempt`` turned into a yes/no: False on torch.cuda.OutOfMemoryError, with the memory freed either way."""
+# Errors at the edge of what a GPU can run that leave the process usable: that batch "does not run" (the message
+# is kept). Any other CUDA error (an illegal address, a launch failure) leaves the context broken: the search stops.
+DOES_NOT_RUN = re.compile(r"unable to find an engine|CUDNN_STATUS_NOT_SUPPORTED|find a valid cuDNN algorithm"
+                          r"|canUse32BitIndexMath|32-bit index|int32|INT_MAX", re.IGNORECASE)
+
+
+class SearchStopped(Exception):
+    """A CUDA error that leaves the process unable to try another batch; ``found``: the largest batch that ran."""
+
+    def __init__(self, batch: int, message: str, found: int = 0):
+        super().__init__(f"batch {batch}: {message}")
+        self.batch, self.message, self.found = batch, message, found
+
+
+def _cuda_error(err: RuntimeError) -> bool:
+    return isinstance(err, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(err)
+
+
+def fits(attempt: Callable[[int], object], free: Callable[[], None],
+         notes: list[str] | None = None) -> Callable[[int], bool]:
+    """``attempt`` turned into a yes/no, with the memory freed after each try: False on
+    torch.cuda.OutOfMemoryError (it does not fit) and on a known edge error (it does not run; noted in
+    ``notes``); ``SearchStopped`` on any other CUDA error; any other exception is a bug and propagates."""
     def check(batch: int) -> bool:
         try:
             attempt(batch)
-            return True
         except torch.cuda.OutOfMemoryError:
-            return False
-        finally:
             free()
+            return False
+        except RuntimeError as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            if DOES_NOT_RUN.search(str(err)):
+                free()
+                if notes is not None:
+                    notes.append(f"batch {batch} does not run: {first}")
+                return False
+            if _cuda_error(err):
+                raise SearchStopped(batch, first) from err  # no free(): the context may be unusable
+            raise
+        free()
+        return True
     return check
 
 
-def largest_batch(fit: Callable[[int], bool], start: int, ceiling: int = 1 << 20) -> tuple[int, list[int]]:
-    """The largest batch for which ``fit`` holds: doubling from ``start``, then bisection; (batch, tries)."""
+def largest_batch(fit: Callable[[int], bool], start: int, ceiling: int = 1 << 20) -> tuple[int, list[int], bool]:
+    """The largest batch for which ``fit`` holds: doubling from ``start``, then bisection; (batch, tries, whether
+    the search stopped at ``ceiling`` with the batch still fitting: then the batch is a lower bound)."""
     tries: list[int] = []
+    best = 0
 
     def ok(b: int) -> bool:
+        nonlocal best
         tries.append(b)
-        return fit(b)
+        try:
+            good = fit(b)
+        except SearchStopped as stop:
+            stop.found = best
+            raise
+        best = max(best, b) if good else best
+        return good
 
     if not ok(start):  # even the start fails: bisect below it
         lo, hi = 0, start
@@ -156,14 +203,14 @@ def largest_batch(fit: Callable[[int], bool], start: int, ceiling: int = 1 << 20
             lo *= 2
         hi = lo * 2
         if hi > ceiling:
-            return lo, tries
+            return lo, tries, True
     while hi - lo > 1:  # lo fits, hi does not
         mid = (lo + hi) // 2
         if ok(mid):
             lo = mid
         else:
             hi = mid
-    return lo, tries
+    return lo, tries, False
 
 
 def limit_bytes(cfg: Config, device: torch.device) -> tuple[int, str]:
@@ -183,15 +230,31 @@ def cap_memory(cfg: Config, device: torch.device) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.sweep.memory_limit_gib * 2**30 / total), index)
 
 
+def search_max(bench: Bench, start: int, limit: int, what: str, ceiling: int = 1 << 20) -> dict:
+    """On CUDA: the largest batch one optimizer step runs at, as training runs it (cuDNN autotuning on)."""
+    notes: list[str] = []
+    how = ("doubling, then bisection, one optimizer step per try with cuDNN autotuning on (as training runs), "
+           "until torch.cuda.OutOfMemoryError")
+    out = {"precision": bench.precision, "limit_bytes": limit, "limit": what, "notes": notes}
+    try:
+        largest, tries, capped = largest_batch(fits(bench.try_step, bench.free, notes), start, ceiling)
+    except SearchStopped as stop:
+        return {**out, "largest_batch": stop.found or None, "method": "stopped", "tries": [],
+                "how": f"the search stopped at batch {stop.batch} on a CUDA error that leaves the process "
+                       f"unusable ({stop.message}); the largest batch that ran before it"}
+    if capped:
+        return {**out, "largest_batch": largest, "method": "lower bound", "tries": tries,
+                "how": f"{how}; it still ran at the search's ceiling of {ceiling:,} images, so the largest is at "
+                       "least that"}
+    return {**out, "largest_batch": largest, "method": "measured", "tries": tries, "how": how}
+
+
 def find_max(bench: Bench, points: list[dict], cfg: Config, dataset_bytes: int) -> dict:
     """The largest batch that fits: searched on CUDA, estimated on a CPU."""
     limit, what = limit_bytes(cfg, bench.device)
     fitting = sorted(p["batch_size"] for p in points)
     if bench.device.type == "cuda":
-        largest, tries = largest_batch(fits(lambda b: bench.run(b, 1), bench.free), fitting[-1] if fitting else 1)
-        return {"precision": bench.precision, "largest_batch": largest, "method": "measured",
-                "how": "doubling, then bisection, until torch.cuda.OutOfMemoryError", "tries": tries,
-                "limit_bytes": limit, "limit": what}
+        return search_max(bench, fitting[-1] if fitting else 1, limit, what)
     by_batch = {p["batch_size"]: p["activation_bytes"] for p in points}
     if len(by_batch) < 2:
         return {"precision": bench.precision, "largest_batch": None, "method": "estimate",

@@ -45,8 +45,9 @@ def sweep(summary: dict, env: dict, runs: dict) -> list[str]:
             "|---|---|---|---|---|"]
     for prec, r in s["largest"].items():
         limit = f"{r['limit_bytes'] / fmt.GIB:.1f} GiB ({r['limit']})" if r.get("limit_bytes") else "n/a"
+        notes = "".join(f"; {n}" for n in r.get("notes") or [])  # batches that did not run, and why
         out.append(f"| {prec} | {fmt.num(r.get('largest_batch'), ',', 'n/a')} | {fmt.times(r.get('vs_fp32'))} "
-                   f"| {r['method']}: {r['how']} | {limit} |")
+                   f"| {r['method']}: {r['how']}{notes} | {limit} |")
     if not cuda:
         out += ["", "On a CPU nothing runs out of memory, so these are estimates from the measured bytes per "
                 "image, not measurements; on a GPU the sweep searches for the largest batch that runs."]
