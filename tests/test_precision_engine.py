@@ -9,7 +9,7 @@ from torch import nn
 from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig
 from ampbench.precision import PrecisionPolicy, micro_batch_size
-from ampbench.train import runner, setup, step
+from ampbench.train import engine, runner, setup, step
 
 
 def test_policy_per_precision():
@@ -116,3 +116,53 @@ def test_lr_schedule_warms_up_then_decays():
     f = setup.lr_lambda(100)
     assert f(0) == pytest.approx(0.2) and f(4) == pytest.approx(1.0)
     assert f(50) < 1 and f(99) < 0.01
+
+
+def test_the_host_mirror_follows_the_grad_scaler_through_skips_and_growth():
+    """HostScale, fed only whether each step was taken, holds exactly the GradScaler's scale: backoff on a
+    skip, growth after growth_interval steps taken (odd factors included: float32 arithmetic)."""
+    lin = nn.Linear(4, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.01)
+    for factors in ({"growth_factor": 2.0, "backoff_factor": 0.5}, {"growth_factor": 1.7, "backoff_factor": 0.3}):
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3, **factors)
+        taken, mirror = step.TakenSteps(opt), step.HostScale(scaler)
+        for i, poison in enumerate([0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0]):
+            opt.zero_grad()
+            scaler.scale(lin(torch.randn(8, 4)).pow(2).mean()).backward()
+            if poison:
+                lin.weight.grad[0, 0] = float("inf")
+            before = taken.count
+            scaler.step(opt)
+            scaler.update()
+            skipped = taken.count == before
+            assert skipped == bool(poison), i
+            assert mirror.update(skipped) == scaler.get_scale(), i
+
+
+def test_an_fp16_step_syncs_the_host_once(tiny_params, tiny_data, monkeypatch):
+    """The trainer detects a skipped step without reading the scale (an .item()) each step: GradScaler's own
+    inf check is the one sync; the scale is read once an epoch, to check the host's mirror."""
+    reads = []
+    real = torch.amp.GradScaler.get_scale
+    monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
+    calls = {"n": 0}
+    real_acc = step.accumulate_gradients
+
+    def poisoned(model, *args):  # the second step overflows: it must still be seen as skipped
+        loss = real_acc(model, *args)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            next(model.parameters()).grad[0].fill_(float("inf"))
+        return loss
+
+    monkeypatch.setattr(step, "accumulate_gradients", poisoned)
+    tiny_params["train"]["epochs"] = 2
+    trainer = engine.Trainer(_plan(tiny_params, "amp", epochs=2), tiny_data, progress=False)
+    reads.clear()
+    steps = 0
+    for _ in range(2):
+        trainer.run_epoch()
+        steps += trainer.steps_per_epoch
+    assert steps == 4 and len(reads) == 2  # one check per epoch, none per step
+    assert trainer.skipped == 1 and trainer.last_scale == 4096
+    assert trainer.scale_history[1] == {"step": 2, "scale": 4096.0, "skipped": True}

@@ -103,7 +103,9 @@ class Trainer:
         self.max_nonfinite = plan.amp.max_consecutive_nonfinite if plan.amp else 1
         self.last_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.diagnosis: dict | None = None
-        self.last_scale = self.scaler.get_scale() if self.policy.uses_scaler else None
+        self.taken = step.TakenSteps(self.opt)  # the steps GradScaler let through, seen without a sync
+        self.host_scale = step.HostScale(self.scaler) if self.policy.uses_scaler else None
+        self.last_scale = self.host_scale.scale if self.host_scale else None
         self.scale_history = [{"step": 0, "scale": self.last_scale, "skipped": False}] if self.last_scale else []
         self.history: list[dict] = []
         self.best_acc = 0.0
@@ -122,12 +124,12 @@ class Trainer:
         # this rank's share of the global batch, times the world: DDP's mean over ranks is the batch's mean
         # (exactly 1 in one process, and wherever the slices are equal)
         weight = n * self.world.size / self.train_batches.global_count(self.step_in_epoch)
+        taken = self.taken.count
         loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro, weight)
-        skipped = nonfinite_loss = False
-        if self.policy.uses_scaler:
-            # scaler.step already synced to check for inf; reading the scale costs nothing more.
-            scale = self.scaler.get_scale()
-            skipped = scale < self.last_scale  # the scale only drops on an overflow
+        skipped = self.taken.count == taken  # GradScaler's one sync decided it; no second one here
+        nonfinite_loss = False
+        if self.host_scale is not None:
+            scale = self.host_scale.update(skipped)  # the scale GradScaler now holds, without reading it
             if scale != self.last_scale:
                 self.scale_history.append({"step": self.global_step + 1, "scale": scale, "skipped": skipped})
             self.last_scale = scale
@@ -195,6 +197,7 @@ class Trainer:
             return None  # stopped mid-epoch
         # all ranks' images per wall second of the slowest rank; the ranks' scalers must agree
         ep_ms = self.world.reduce([ep_ms], "max")[0]
+        self.check_scale()
         distributed.check_agree(self.world, "the GradScaler's scale, skipped and inf/NaN-loss steps",
                                 (self.last_scale, self.skipped, self.nonfinite_steps, len(self.scale_history),
                                  self.scale_history[-1] if self.scale_history else None))
@@ -215,6 +218,14 @@ class Trainer:
             tqdm.write(f"[{plan.variant}] epoch {epoch + 1}/{plan.train.epochs}: train loss {row['train_loss']:.4f}, "
                        f"eval acc {ev['acc']:.4f}, {ips}, {wall['s']:.1f}s, ETA {eta:.0f}s")
         return row
+
+    def check_scale(self) -> None:
+        """Once an epoch (a sync the epoch's end makes anyway): the host's mirror of the loss scale is the
+        GradScaler's own, or the skip detection is wrong and the counters cannot be trusted."""
+        if self.host_scale is not None and self.host_scale.scale != self.scaler.get_scale():
+            raise AmpbenchError(f"[{self.plan.variant}] the loss scale followed on the host "
+                                f"({self.host_scale.scale:g}) differs from the GradScaler's "
+                                f"({self.scaler.get_scale():g}): skipped steps were miscounted")
 
     def stop_now(self) -> bool:
         """Stop after this step (Ctrl-C): at once in one process; under DDP once the ranks agree on it."""
@@ -251,6 +262,8 @@ class Trainer:
             setattr(self, k, state[k])
         self.clock.load_state_dict(state["clock"])
         self.setup.load_state(state["model"], state["opt"], state["scaler"])
+        if self.host_scale is not None:
+            self.host_scale = step.HostScale(self.scaler)  # the resumed scale and growth tracker
         self.sched.load_state_dict(state["sched"])
         self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
         if not self.world.main:  # the sums over the ranks resume on rank 0 alone

@@ -7,6 +7,7 @@ micro-batches; ``train_step`` adds the zeroing, the scaler's step and update.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -55,3 +56,49 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch
     scaler.step(opt)  # unscales, and skips the update if any gradient is inf/NaN
     scaler.update()   # once per optimizer step, not per micro-batch
     return loss
+
+
+class TakenSteps:
+    """Counts the optimizer steps really taken, with no host sync of its own.
+
+    ``GradScaler.step`` checks the unscaled gradients for inf/NaN (its one sync, an ``.item()``) and calls
+    ``optimizer.step()`` only when there were none, so a post-step hook on the optimizer sees exactly the steps
+    taken: a step whose count did not move was skipped. A disabled scaler always steps. (A fused optimizer
+    would break this: its ``step()`` always runs and skips on the device, with no sync at all; there the skip is
+    known only on the device, so the LR schedule would have to follow it on the device or catch up at the next
+    sync, and the counters be read there too.)
+    """
+
+    def __init__(self, opt: torch.optim.Optimizer):
+        self.count = 0
+        self._handle = opt.register_step_post_hook(self._taken)
+
+    def _taken(self, opt, args, kwargs) -> None:
+        self.count += 1
+
+
+class HostScale:
+    """The GradScaler's loss scale mirrored on the host from the skips, as ``torch._amp_update_scale_`` changes
+    it: backoff on a skipped step, growth after ``growth_interval`` steps taken in a row. Reading the real scale
+    (``get_scale``) is an ``.item()``: a second sync per step that fp32 and bf16 do not pay."""
+
+    def __init__(self, scaler: torch.amp.GradScaler):
+        state = scaler.state_dict()  # one read, at the start or after a resume
+        self.scale = float(state.get("scale", scaler.get_scale()))
+        self.tracker = int(state.get("_growth_tracker", 0))
+        self.growth = float(state.get("growth_factor", scaler.get_growth_factor()))
+        self.backoff = float(state.get("backoff_factor", scaler.get_backoff_factor()))
+        self.interval = int(state.get("growth_interval", scaler.get_growth_interval()))
+
+    def update(self, skipped: bool) -> float:
+        """The scale after a step, rounded as the scaler's float32 tensor is (its factors are doubles)."""
+        if skipped:
+            self.scale = float(np.float32(self.scale * self.backoff))
+            self.tracker = 0
+        else:
+            self.tracker += 1
+            if self.tracker == self.interval:
+                grown = float(np.float32(self.scale * self.growth))
+                self.scale = grown if np.isfinite(grown) else self.scale
+                self.tracker = 0
+        return self.scale
