@@ -166,3 +166,56 @@ def test_an_fp16_step_syncs_the_host_once(tiny_params, tiny_data, monkeypatch):
     assert steps == 4 and len(reads) == 2  # one check per epoch, none per step
     assert trainer.skipped == 1 and trainer.last_scale == 4096
     assert trainer.scale_history[1] == {"step": 2, "scale": 4096.0, "skipped": True}
+
+
+def test_the_last_partial_batch_is_not_trained_so_every_timed_step_has_one_shape(tiny_params, tmp_path):
+    """70 images at batch 32: two full batches an epoch; a third of 6 images would be a new shape after the
+    warm-up (cuDNN autotuning, or a recompile with train.compile, inside a timed step)."""
+    out = tmp_path / "prepared"
+    data.prepare(config.DataConfig(source="synthetic", train_size=70, test_size=32), 0, out, out / "raw")
+    result = runner.train(_plan(tiny_params, "fp32", epochs=2, warmup_steps=1), data.load_prepared(out, "cpu"),
+                          progress=False)
+    m = result.metrics
+    assert m["optimizer_steps"] == 4 and m["train_images_per_epoch"] == 64 and m["train_images"] == 70
+    assert m["timed_steps"] == 3 and m["imgs_per_s"] == pytest.approx(3 * 32 / (sum(result.step_times_ms) / 1000))
+
+
+def test_the_training_peak_is_the_steady_state_one_with_autotuning_and_evaluation_apart(tiny_params, tiny_data,
+                                                                                          monkeypatch):
+    """A fake CUDA allocator: the first step allocates a 500-byte cuDNN workspace, every step 100, evaluation
+    800. The training peak is the steady state's (100), the first step and evaluation have their own, and no
+    counter is reset by emptying the cache (a sync) mid-training."""
+    allocated = {"peak": 0}
+    calls = []
+
+    def use(nbytes):
+        allocated["peak"] = max(allocated["peak"], nbytes)
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: calls.append("reset")
+                        or allocated.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: allocated["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: allocated["peak"] * 2)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    real_step, real_eval = step.train_step, engine.evaluate
+    steps = {"n": 0}
+
+    def train_step(*args, **kw):
+        steps["n"] += 1
+        use(500 if steps["n"] == 1 else 100)
+        return real_step(*args, **kw)
+
+    def evaluate(*args, **kw):
+        use(800)
+        return real_eval(*args, **kw)
+
+    monkeypatch.setattr(step, "train_step", train_step)
+    monkeypatch.setattr(engine, "evaluate", evaluate)
+    trainer = engine.Trainer(_plan(tiny_params, "fp32", epochs=2), tiny_data, progress=False)
+    trainer.peaks.cuda = True  # the CPU trainer with the CUDA meter
+    calls.clear()
+    for _ in range(2):
+        trainer.run_epoch()
+    assert "empty_cache" not in calls
+    assert trainer.peaks.peaks == {"first step": {"peak_mem_bytes": 500, "peak_reserved_bytes": 1000},
+                                   "train": {"peak_mem_bytes": 100, "peak_reserved_bytes": 200},
+                                   "eval": {"peak_mem_bytes": 800, "peak_reserved_bytes": 1600}}

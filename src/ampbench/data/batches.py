@@ -25,17 +25,20 @@ class DeviceBatches:
     same global batches, order and augmentation as in one process, and each rank
     yields its own slice of every one of them (slices differing by at most one
     image); in training (``shuffle``) a last global batch smaller than the world
-    is dropped.
+    is dropped. With ``drop_last`` (training) a last batch smaller than the others is dropped too: a new shape
+    would make cuDNN autotune (or torch.compile recompile) inside a timed step, once an epoch.
     """
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
                  augment: bool, shuffle: bool, channels_last: bool, seed: int = 0, pad: int = 4,
-                 out_size: int | None = None, shard: tuple[int, int] = (0, 1)):
+                 out_size: int | None = None, shard: tuple[int, int] = (0, 1), drop_last: bool = False):
         n, c, h, w = images.shape
         self.rank, self.world = shard
         tail = n % batch_size
-        # training: every rank must get an image of every batch, or DDP would wait on it (evaluation keeps all)
-        self.used = n - tail if shuffle and 0 < tail < self.world else n
+        if drop_last and n >= batch_size or shuffle and 0 < tail < self.world:  # one batch shape for every step
+            self.used = n - tail
+        else:  # evaluation keeps every image
+            self.used = n
         self.pad = pad if augment else 0
         p = self.pad
         self.hp, self.wp = h + 2 * p, w + 2 * p

@@ -65,3 +65,35 @@ def tensor_bytes(tensors) -> int:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(tensor_bytes(v for v in state.values() if torch.is_tensor(v))
                for state in optimizer.state.values())
+
+
+class PeakWindows:
+    """CUDA peak memory by phase: the largest peak over each phase's windows, e.g. steady-state training steps
+    apart from evaluation. A window opens with ``torch.cuda.reset_peak_memory_stats()`` alone (host-side, no
+    sync; ``empty_cache`` would sync, so it never runs mid-training) and closes by reading the peaks. On a CPU
+    nothing is reset and nothing is kept: the process's peak RSS is all there is (``peak_memory``).
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.peaks: dict[str, dict] = {}
+        self.open_phase: str | None = None
+
+    def open(self, phase: str) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.open_phase = phase
+
+    def close(self) -> None:
+        if self.open_phase is None:
+            return
+        seen = self.peaks.setdefault(self.open_phase, {"peak_mem_bytes": 0, "peak_reserved_bytes": 0})
+        seen["peak_mem_bytes"] = max(seen["peak_mem_bytes"], torch.cuda.max_memory_allocated())
+        seen["peak_reserved_bytes"] = max(seen["peak_reserved_bytes"], torch.cuda.max_memory_reserved())
+        self.open_phase = None
+
+    def state_dict(self) -> dict:
+        return {k: dict(v) for k, v in self.peaks.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.peaks = {k: dict(v) for k, v in state.items()}

@@ -98,8 +98,8 @@ def results(summary: dict, env: dict, runs: dict) -> list[str]:
         "steps' own rates. The speedup is the ratio of two img/s figures. TFLOP/s is "
         "model FLOPs (forward + backward, torch.utils.flop_counter) times img/s; on a known GPU, against the "
         "datasheet's dense peak for that precision (a datasheet figure, not measured). Peak memory is "
-        + ("CUDA peak allocated" if env.get("gpu") else "the process's peak RSS (on a CPU it mostly counts the "
-           "process and data, not the model)")
+        + ("CUDA peak allocated over the steady-state training steps (evaluation apart)" if env.get("gpu")
+           else "the process's peak RSS (on a CPU it mostly counts the process and data, not the model)")
         + "; activations are the bytes autograd saves for backward in one forward pass of one micro-batch. "
         + (f"Ratios are against `{base}`." if base else "No fp32 variant ran, so there are no ratios."), ""]
     methods = sorted({r["speedup_ci_method"] for r in summary["variants"].values() if r.get("speedup_ci_method")})
@@ -189,17 +189,23 @@ def article(summary: dict, env: dict, runs: dict) -> list[str]:
 def memory(summary: dict, env: dict, runs: dict) -> list[str]:
     """Every memory meter of every variant, and what each one counts."""
     lines = ["## Memory, meter by meter", "",
-             "| variant | meter | peak | peak reserved | activations (one micro-batch) | parameters | gradients "
-             "| optimizer state | data set on the device |", "|---|---|---|---|---|---|---|---|---|"]
+             "| variant | meter | peak (training) | peak reserved | first step (autotuning) | evaluation peak "
+             "| activations (one micro-batch) | parameters | gradients | optimizer state | data set on the device |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["variants"].items():
         reserved = "n/a on CPU" if r.get("mem_meter") == "process_peak_rss" else fmt.size(r.get("peak_reserved_bytes"))
+        cuda_only = "n/a on CPU" if r.get("mem_meter") == "process_peak_rss" else None
         lines.append(f"| {name} | {r.get('mem_meter') or 'missing'} | {fmt.size(r['peak_mem_bytes'])} | {reserved} "
+                     f"| {cuda_only or fmt.size(r.get('first_step_peak_mem_bytes'))} "
+                     f"| {cuda_only or fmt.size(r.get('eval_peak_mem_bytes'))} "
                      f"| {fmt.size(r['activation_bytes'])} | {fmt.size(r.get('param_bytes'))} "
                      f"| {fmt.size(r.get('grad_bytes'))} | {fmt.size(r.get('optimizer_state_bytes'))} "
                      f"| {fmt.size(r.get('dataset_bytes'))} |")
     return lines + [
-        "", "Peak: CUDA `max_memory_allocated` after `reset_peak_memory_stats` at the start of training "
-        "(reserved: what the caching allocator held), or on a CPU the process's peak RSS, which counts "
+        "", "Peak (training): on a GPU, CUDA `max_memory_allocated` over the steady-state training steps: from "
+        "each process's second step (the first one autotunes cuDNN, whose workspace is its own column) to the end "
+        "of each epoch's training, the counters reset with `reset_peak_memory_stats` alone; evaluation's peak is "
+        "its own column; reserved: what the caching allocator held. On a CPU, the process's peak RSS, which counts "
         "the interpreter and the data set too. Activations: bytes saved for backward, counted with "
         "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
         "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant. The data "

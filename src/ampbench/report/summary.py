@@ -17,7 +17,7 @@ COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_tim
           "optimizer_state_bytes", "dataset_bytes", "final_acc", "final_acc_std", "best_acc", "skipped_steps",
           "nonfinite_loss_steps", "final_loss_scale", "data_time_fraction", "accum_grad_max_rel_diff",
           "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision", "world_size", "backend",
-          "grad_comm", "imgs_per_s_per_process")
+          "grad_comm", "imgs_per_s_per_process", "peak_window", "eval_peak_mem_bytes", "first_step_peak_mem_bytes")
 
 
 def ratio(a, b) -> float | None:

@@ -33,8 +33,9 @@ def make_batches(plan: RunPlan, data: dict, world: distributed.World = distribut
     meta = data["meta"]
     common = dict(mean=meta["mean"], std=meta["std"], channels_last=plan.model.channels_last,
                   out_size=models.input_size(plan.model, meta["image_shape"][-1]), shard=(world.rank, world.size))
+    # the last partial batch is dropped: its new shape would autotune cuDNN (or recompile) inside a timed step
     train = DeviceBatches(*data["train"], plan.train.batch_size, augment=plan.train.augment, shuffle=True,
-                          seed=plan.seed, **common)
+                          drop_last=True, seed=plan.seed, **common)
     test = DeviceBatches(*data["test"], plan.train.eval_batch_size, augment=False, shuffle=False, **common)
     return train, test
 
@@ -95,7 +96,10 @@ class Trainer:
         self.activation_bytes = probes.activation_bytes(self.model, x[:self.micro], self.policy)
         self.flops_per_image = flops.train_flops_per_image(self.model, x[:8], y[:8])  # per image: 8 suffice
         self.step_model = s.step_model
-        memory.reset_peak_memory(device)
+        memory.reset_peak_memory(device)  # before training: what the probes left is not training's
+        # CUDA peaks by phase: steady-state training steps (from each process's second step, after cuDNN has
+        # autotuned the one training shape), and evaluation apart
+        self.peaks = memory.PeakWindows(device)
 
         # Progress; everything here goes into a checkpoint.
         self.epoch = self.step_in_epoch = self.global_step = self.skipped = 0
@@ -176,6 +180,7 @@ class Trainer:
         bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, disable=not self.progress, unit="step",
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
         self.clock.begin()
+        self.peaks.open("train" if self.clock.process_steps >= 1 else "first step")
         with clock.wall_clock(self.device) as wall:
             while self.step_in_epoch < self.steps_per_epoch and not self.stop_now():
                 with self.clock.data():
@@ -183,6 +188,9 @@ class Trainer:
                 with self.clock.compute():
                     self.optimizer_step(x, y)
                 self.clock.step_done(self.train_batches.global_count(self.step_in_epoch))  # all ranks' images
+                if self.clock.process_steps == 1:  # the first step autotuned: the steady state starts here
+                    self.peaks.close()
+                    self.peaks.open("train")
                 self.global_step += 1
                 self.step_in_epoch += 1
                 bar.update(1)
@@ -192,6 +200,7 @@ class Trainer:
                     if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
                         self.fail("the training loss became inf/NaN")
             ep_images, ep_ms = self.clock.end()  # the last step's cycle ends with the loop, as the others do
+            self.peaks.close()
         bar.close()
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
@@ -201,7 +210,9 @@ class Trainer:
         distributed.check_agree(self.world, "the GradScaler's scale, skipped and inf/NaN-loss steps",
                                 (self.last_scale, self.skipped, self.nonfinite_steps, len(self.scale_history),
                                  self.scale_history[-1] if self.scale_history else None))
+        self.peaks.open("eval")
         ev = evaluate(self.model, self.test_batches, self.policy, self.world)
+        self.peaks.close()
         self.best_acc = max(self.best_acc, ev["acc"])
         train_loss = mean_loss if mean_loss is not None else self.mean_loss()  # the last step's sync has it
         row = {"epoch": epoch + 1, "train_loss": train_loss, "eval_loss": ev["loss"],
@@ -251,8 +262,9 @@ class Trainer:
         state = {k: getattr(self, k) for k in self._SCALARS}
         loss_sum, seen = self.world.reduce([self.loss_sum.item(), self.seen])
         state["seen"] = int(seen)
-        state.update(clock=self.clock.state_dict(), model=self.model.state_dict(), opt=self.opt.state_dict(),
-                     sched=self.sched.state_dict(), scaler=self.scaler.state_dict(), loss_sum=loss_sum,
+        state.update(clock=self.clock.state_dict(), peaks=self.peaks.state_dict(), model=self.model.state_dict(),
+                     opt=self.opt.state_dict(), sched=self.sched.state_dict(), scaler=self.scaler.state_dict(),
+                     loss_sum=loss_sum,
                      rng_cpu=torch.get_rng_state(),
                      rng_cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
         return state
@@ -261,6 +273,7 @@ class Trainer:
         for k in self._SCALARS:
             setattr(self, k, state[k])
         self.clock.load_state_dict(state["clock"])
+        self.peaks.load_state_dict(state["peaks"])
         self.setup.load_state(state["model"], state["opt"], state["scaler"])
         if self.host_scale is not None:
             self.host_scale = step.HostScale(self.scaler)  # the resumed scale and growth tracker

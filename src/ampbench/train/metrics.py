@@ -32,11 +32,21 @@ def run_result(t) -> RunResult:
     plan, device, c = t.plan, t.device, t.clock
     total_e2e, total_compute, data_ms = sum(c.cycle_ms), sum(c.compute_ms), sum(c.data_ms)
     timed_images = c.timed_images  # every rank's images: the clock counts each step's global batch
-    mem = memory.peak_memory(device)
+    mem = memory.peak_memory(device)  # since training began; on a CPU the process's peak RSS
+    phases = t.peaks.peaks  # CUDA only: "first step" (cuDNN autotuning), "train" (steady state), "eval"
+    if device.type != "cuda":
+        mem["peak_window"] = "the whole process"
+    else:
+        mem["peak_window"] = "steady-state training steps" if "train" in phases else "the first step (autotuning)"
+    mem.update(phases.get("train") or phases.get("first step") or {})
+    evaluation, first = phases.get("eval") or {}, phases.get("first step") or {}
     # All ranks' images per wall second of the slowest rank, and the largest rank's memory (one rank: its own).
     total_e2e, total_compute, data_ms, *peaks = t.world.reduce(
-        [total_e2e, total_compute, data_ms, mem["peak_mem_bytes"], mem["peak_reserved_bytes"] or 0], "max")
+        [total_e2e, total_compute, data_ms, mem["peak_mem_bytes"], mem["peak_reserved_bytes"] or 0,
+         evaluation.get("peak_mem_bytes", 0), first.get("peak_mem_bytes", 0)], "max")
     mem["peak_mem_bytes"], mem["peak_reserved_bytes"] = int(peaks[0]), int(peaks[1]) or None
+    mem["eval_peak_mem_bytes"] = int(peaks[2]) or None  # CUDA only: evaluation's own peak
+    mem["first_step_peak_mem_bytes"] = int(peaks[3]) or None  # CUDA only: with cuDNN's autotuning workspace
     params = list(t.model.parameters())
     last = t.history[-1] if t.history else {"eval_acc": None, "train_loss": None, "eval_loss": None}
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -77,6 +87,7 @@ def run_result(t) -> RunResult:
         "fraction_of_peak": achieved / peak if achieved and peak else None,
         "tf32": t.tf32, "compiled": plan.train.compile, "augment": plan.train.augment,
         "torch": torch.__version__, "train_images": t.counts[0], "test_images": t.counts[1],
+        "train_images_per_epoch": t.train_batches.used,  # the last partial batch is dropped
         "data_source": t.data_meta["source"],
     }
     if not c.cycle_ms:
