@@ -16,11 +16,12 @@ results are on disk.
 import argparse
 import json
 from contextlib import nullcontext
+from datetime import UTC, datetime
 from pathlib import Path
 
 from ampbench import config, data, env, results, runplan
 from ampbench.errors import NonFiniteTraining, run_cli
-from ampbench.measure.sysmon import SystemMonitor
+from ampbench.measure import sysmon
 from ampbench.train import checkpoint, distributed, metrics, runner
 
 
@@ -52,18 +53,21 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
     info = json.loads(Path(args.env).read_text())
     prepared = data.load_prepared(Path(args.data), plan.device)
     out = Path(args.out)
-    monitor = SystemMonitor(interval_s=0.5)
+    monitor = sysmon.SystemMonitor(interval_s=0.5, gpu_uuid=sysmon.device_uuid(world.device(plan.device)))
+    started = datetime.now(UTC).isoformat(timespec="seconds")  # the order the variants ran in
     try:
         with monitor if world.main else nullcontext():
             result = runner.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints), world=world)
     except NonFiniteTraining as err:  # keep what the completed epochs measured, with the diagnosis
         if err.result is not None and world.main:
             err.result.system = monitor.rows
+            err.result.metrics["started_at"] = started
             save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env))
         raise
     if not world.main:
         return
     result.system = monitor.rows
+    result.metrics["started_at"] = started
     save(plan, result, info, out, Path(args.plan).parent, Path(args.env))
     checkpoint.clear(Path(args.checkpoints))
     procs = f" over {world.size} processes ({world.backend})" if world.active else ""
@@ -75,6 +79,8 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
          env_path: Path) -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
     result.metrics["git_commit"] = env.git_commit()
+    # median SM clock, temperature and power while training, and energy per image (power over img/s)
+    result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s")))
     result.metrics["env_fingerprint"] = env.fingerprint(info)
     results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
                       result.numerics, result.system, result.profile_trace)

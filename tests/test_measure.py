@@ -172,3 +172,62 @@ def test_step_clock_times_data_compute_and_the_whole_cycle_after_warm_up(monkeyp
         resumed.step_done(8)
     resumed.end()
     assert resumed.timed_images == 28 and len(resumed.cycle_ms) == 4
+
+
+class _FakeNVML:
+    """pynvml as a MIG slice answers it: found by UUID only, no utilisation counter."""
+    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU = 1, 0
+
+    class NVMLError_NotSupported(Exception):
+        pass
+
+    def __init__(self):
+        self.asked = []
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return f"index-{i}"  # NVML's PCI order: not necessarily the GPU training runs on
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self.asked.append(uuid)
+        if uuid != "GPU-5b2f0000-aaaa-bbbb-cccc-000000000001":
+            raise KeyError(uuid)
+        return "the-training-gpu"
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        raise self.NVMLError_NotSupported()
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        from types import SimpleNamespace
+        return SimpleNamespace(used=2**30 if h == "the-training-gpu" else 0)
+
+    def nvmlDeviceGetClockInfo(self, h, kind):
+        return 1980
+
+    def nvmlDeviceGetTemperature(self, h, kind):
+        return 61
+
+    def nvmlDeviceGetPowerUsage(self, h):
+        return 612_000  # milliwatts
+
+
+def test_the_sampler_asks_nvml_for_the_training_gpu_by_uuid_and_survives_a_missing_reading(monkeypatch):
+    import sys
+    import time
+
+    from ampbench.measure import sysmon
+    fake = _FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with sysmon.SystemMonitor(interval_s=0.02, gpu_uuid="5b2f0000-aaaa-bbbb-cccc-000000000001") as mon:
+        time.sleep(0.3)
+    assert len(mon.rows) >= 3  # the utilisation error did not stop the sampling thread
+    row = mon.rows[-1]
+    assert row["gpu_memory_used_bytes"] == 2**30  # the training GPU's, not NVML's index 0
+    assert row["gpu_util_percent"] is None and "gpu_util_percent: NVMLError_NotSupported" in row["gpu_unavailable"]
+    assert (row["gpu_sm_clock_mhz"], row["gpu_temperature_c"], row["gpu_power_w"]) == (1980, 61, 612.0)
+    assert set(row) == set(sysmon.COLUMNS)
+    s = sysmon.summary(mon.rows, imgs_per_s=3060.0)
+    assert s["gpu_power_w_median"] == 612.0 and s["energy_per_image_j"] == pytest.approx(0.2)
+    assert s["gpu_sm_clock_mhz_median"] == 1980

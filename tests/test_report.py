@@ -87,6 +87,9 @@ def _every_section_fixture(runs):
     """Runs that give every section something to say: a profile, an fp16 audit, DDP with a one-process twin."""
     for name, casts_ms in (("fp32", 1.0), ("amp", 2.0)):
         m = json.loads((runs / name / "metrics.json").read_text())
+        m.update(gpu_sm_clock_mhz_median=1980.0 if name == "fp32" else 1800.0, gpu_temperature_c_median=60.0,
+                 gpu_power_w_median=600.0, energy_per_image_j=600.0 / m["imgs_per_s"],
+                 started_at="2026-12-03T10:00:00+00:00" if name == "amp" else "2026-12-03T11:00:00+00:00")
         m["profile"] = {"steps": 3, "basis": "CPU time of each op", "wall_ms_per_step": 10.0, "cost_s": 1.0,
                         "categories": {"conv/matmul": {"ms_per_step": 6.0, "share": 0.6, "dtypes": "fp32 100%"},
                                        "casts": {"ms_per_step": casts_ms, "share": 0.1, "dtypes": None}},
@@ -127,12 +130,15 @@ def test_every_section_is_rendered_from_run_folders(runs, tmp_path):
     assert headings == ["# ampbench report: what FP16 mixed precision bought here", "## Results (measured in this run)",
                         "## Why: the step profile", "## Ours beside the article's", "## Memory, meter by meter",
                         "## Batch-size sweep", "## Past one process: data-parallel training (DDP)",
-                        "## Numerical safety", "## Figures", "## Environment", "## Reproduce"]
+                        "## GPU clock, temperature and energy", "## Numerical safety", "## Figures",
+                        "## Environment", "## Reproduce"]
     verdict = md.splitlines()[2]
     assert "In the batch-size sweep, fp16 fits 2.00x the batch of fp32" in verdict
     assert "fp32_ddp ran 1.50x as fast as in one process, 75% scaling efficiency" in verdict
     assert "amp added 1 ms of casts per step" in verdict and md.count("amp added 1 ms of casts") == 1  # once
     assert "Training time to 50.0% evaluation accuracy" in md and "`train.epochs: 1`" in md
+    assert "| amp | 1 of 2 | 1,800 MHz | -9% | 60 C | 600 W | 0.234 J | 0.33x |" in md  # amp ran first
+    assert "The median SM clock of `amp` differs by more than 5%" in md and "SM clock -9% against fp32's" in verdict
     assert "fp16 numerics audit of `amp`" in md and "`conv1` (Conv2d, runs in fp16): 10.00%" in md
     figs = {"throughput", "memory", "curves", "loss_scale", "numerics_audit", "profile", "sweep_throughput",
             "sweep_memory"}

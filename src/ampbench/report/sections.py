@@ -212,6 +212,35 @@ def memory(summary: dict, env: dict, runs: dict) -> list[str]:
         "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", ""]
 
 
+def gpu_state(summary: dict, env: dict, runs: dict) -> list[str]:
+    """SM clock, temperature, power and energy per image per variant (NVML samples); nothing without them."""
+    rows = {n: r for n, r in summary["variants"].items() if r.get("gpu_sm_clock_mhz_median") is not None
+            or r.get("gpu_power_w_median") is not None}
+    if not rows:
+        return []
+    lines = ["## GPU clock, temperature and energy", "",
+             "| variant | ran | median SM clock | vs the baseline's | median temperature | median power | energy per "
+             "image | energy vs the baseline |", "|---|---|---|---|---|---|---|---|"]
+    order = summary.get("run_order") or []
+    for name, r in rows.items():
+        ran = f"{order.index(name) + 1} of {len(order)}" if name in order else "-"
+        clock = fmt.num(r.get("gpu_sm_clock_mhz_median"), ",.0f", "n/a")
+        lines.append(f"| {name} | {ran} | {clock} MHz | {fmt.change(r.get('sm_clock_ratio'))} "
+                     f"| {fmt.num(r.get('gpu_temperature_c_median'), '.0f', 'n/a')} C "
+                     f"| {fmt.num(r.get('gpu_power_w_median'), ',.0f', 'n/a')} W "
+                     f"| {fmt.num(r.get('energy_per_image_j'), '.3g', 'n/a')} J "
+                     f"| {fmt.times(r.get('energy_ratio'))} |")
+    lines += ["", "Sampled by NVML every 0.5 s while each variant trained, on the GPU it trained on (found by UUID). "
+              "Energy per image is the median power over the variant's img/s. The variants ran one after another, "
+              "in the order shown; a GPU that heats up can lower its clock for the later ones.", ""]
+    differs = [n for n, r in rows.items() if r.get("clock_differs")]
+    if differs:
+        lines += ["The median SM clock of " + ", ".join(f"`{n}`" for n in differs) + " differs by more than 5% from "
+                  "the baseline's: part of their speed difference is the clock's, not the precision's (the GPU may "
+                  "have throttled, or boosted); rerun with the variants in another order to tell.", ""]
+    return lines
+
+
 def safety(summary: dict, env: dict, runs: dict) -> list[str]:
     """Skipped steps, non-finite losses, the accumulation check and the fp16 audit's layers at risk."""
     lines = ["## Numerical safety", "",
@@ -308,7 +337,8 @@ def reproduce(summary: dict, env: dict, runs: dict) -> list[str]:
 
 
 # The report, in order: a new section is a function above and its name here.
-SECTIONS = (header, results, profile, article, memory, sweep, scaling, safety, figures, environment, reproduce)
+SECTIONS = (header, results, profile, article, memory, sweep, scaling, gpu_state, safety, figures, environment,
+            reproduce)
 
 
 def render(summary: dict, env: dict, runs: dict[str, dict]) -> str:

@@ -17,7 +17,10 @@ COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_tim
           "optimizer_state_bytes", "dataset_bytes", "final_acc", "final_acc_std", "best_acc", "skipped_steps",
           "nonfinite_loss_steps", "final_loss_scale", "data_time_fraction", "accum_grad_max_rel_diff",
           "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision", "world_size", "backend",
-          "grad_comm", "imgs_per_s_per_process", "peak_window", "eval_peak_mem_bytes", "first_step_peak_mem_bytes")
+          "grad_comm", "imgs_per_s_per_process", "peak_window", "eval_peak_mem_bytes", "first_step_peak_mem_bytes",
+          "gpu_sm_clock_mhz_median", "gpu_temperature_c_median", "gpu_power_w_median", "energy_per_image_j",
+          "started_at")
+CLOCK_TOLERANCE = 0.05  # a variant whose median SM clock differs more from the baseline's ran on another GPU state
 
 
 def ratio(a, b) -> float | None:
@@ -131,6 +134,9 @@ def _variant(name: str, run: dict, base: dict | None, target_acc: float) -> dict
         row["activation_ratio"] = ratio(row["activation_bytes"], bm.get("activation_bytes"))
         acc, b_acc = row["final_acc"], bm.get("final_acc")
         row["acc_diff"] = None if acc is None or b_acc is None else acc - b_acc
+        row["sm_clock_ratio"] = ratio(row["gpu_sm_clock_mhz_median"], bm.get("gpu_sm_clock_mhz_median"))
+        row["clock_differs"] = row["sm_clock_ratio"] is not None and abs(row["sm_clock_ratio"] - 1) > CLOCK_TOLERANCE
+        row["energy_ratio"] = ratio(row["energy_per_image_j"], bm.get("energy_per_image_j"))
     return row
 
 
@@ -146,6 +152,8 @@ def summarize(runs: dict[str, dict], target_acc: float = 0.0, sweep_json: dict |
             if cmp:
                 out["profile_comparison"][name] = cmp
     out["headline"] = headline(out)
+    out["run_order"] = sorted((n for n, r in out["variants"].items() if r.get("started_at")),
+                              key=lambda n: out["variants"][n]["started_at"])
     out["sweep"] = sweep(sweep_json)
     out["scaling"] = scaling(runs)
     return out

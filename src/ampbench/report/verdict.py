@@ -85,6 +85,9 @@ def verdict(summary: dict, env: dict) -> str:
             text += " Why: " + "; ".join(reasons) + "."
     if r.get("skipped_steps"):
         text += f" The loss scaler skipped {r['skipped_steps']} overflowing steps."
+    if r.get("clock_differs"):
+        text += (f" Its GPU ran at a median SM clock {fmt.change(r['sm_clock_ratio'])} against {base_name}'s, so "
+                 "part of the difference is the clock's (see the GPU clock section).")
     cmp = (summary.get("profile_comparison") or {}).get(name)
     if cmp:
         text += " " + why(name, base_name, cmp)
