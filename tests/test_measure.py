@@ -83,8 +83,21 @@ def test_flop_count_of_a_known_layer():
 def test_datasheet_peaks():
     from ampbench.measure import flops
     assert flops.datasheet_peak("NVIDIA H200", "bf16") == 989.4
-    assert flops.datasheet_peak("NVIDIA L40S", "fp16") is None  # not L4
+    assert flops.datasheet_peak("NVIDIA H200 NVL", "bf16") == 835.5  # not the SXM figure
+    assert flops.datasheet_peak("NVIDIA H100 NVL", "fp16") == 835.5  # not the PCIe one
+    assert flops.datasheet_peak("NVIDIA H100 80GB HBM3", "fp8") == 1978.9
+    assert flops.datasheet_peak("NVIDIA L40S", "fp16") == 362.05  # not L4's
+    assert flops.datasheet_peak("NVIDIA L4", "fp16") == 121.0
+    assert flops.datasheet_peak("NVIDIA GeForce RTX 5090", "fp16") == 209.5  # the article's GPU; fp32 accumulation
+    assert flops.datasheet_peak("NVIDIA GeForce RTX 3090", "tf32") == 35.6
+    assert flops.datasheet_peak("NVIDIA A10", "bf16") == 125.0 and flops.datasheet_peak("NVIDIA A40", "fp8") is None
+    assert flops.datasheet_peak("NVIDIA B200", "fp8") == 4500.0
+    assert flops.datasheet_peak("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "fp16") is None  # a slice, not the GPU
     assert flops.datasheet_peak(None, "fp16") is None
+    assert flops.memory_bandwidth_gbps("NVIDIA H200") == 4800 and flops.memory_bandwidth_gbps("Tesla T4") == 320
+    for _, row in flops.DATASHEET:  # one table, every column in each row; fp16 tensor cores never below tf32
+        assert set(row) == set(flops.COLUMNS)
+        assert row["fp16"] is None or row["fp16"] >= (row["tf32"] or 0)
 
 
 def test_what_a_precision_means_is_said_once():
