@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: install repro demo test lint mlflow-ui bench gpu-check
+.PHONY: install repro demo test lint mlflow-ui bench gpu-check gpu-validate
 
 # A driver too old for the pinned torch's CUDA: install torch from a package index for an older CUDA, e.g.
 #   rm -rf .venv && make install TORCH_INDEX=https://download.pytorch.org/whl/cu126
@@ -45,3 +45,7 @@ bench: install
 
 gpu-check: install
 	python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
+
+# Needs only torch and a GPU (no DVC, MLflow or package registry): no install step.
+gpu-validate:
+	PYTHONPATH=src python3 benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate

@@ -30,3 +30,16 @@ def test_overhead_benchmark_runs(tmp_path):
          "--rounds", "1", "--warmup", "1", "--target", "0"], capture_output=True, text=True, timeout=600)
     assert "ampbench/article's loop, like for like: median" in proc.stdout, proc.stderr[-3000:]
     assert "ampbench/fastest plain loop, like for like: median" in proc.stdout
+
+
+def test_gpu_validate_lists_its_checks_on_a_cpu_and_refuses_to_run_there():
+    listed = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_validate.py"), "--dry-run"],
+                            capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    names = [line.split(":")[0] for line in listed.stdout.splitlines()]
+    assert names == ["host_syncs", "steady_peak", "gpu_busy", "largest_batch", "tf32_getters", "nccl_ddp"]
+    run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_validate.py")], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode != 0 and "no CUDA GPU" in run.stderr and "Traceback" not in run.stderr
+    make = subprocess.run(["make", "-n", "gpu-validate"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert "PYTHONPATH=src python3 benchmarks/gpu_validate.py" in make.stdout and "pip" not in make.stdout

@@ -1,0 +1,213 @@
+"""GPU validation: what no CPU test can check, on a real GPU, in a few minutes; each check printed with its figure.
+
+    PYTHONPATH=src python3 benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate   # make gpu-validate
+    python benchmarks/gpu_validate.py --dry-run                                              # the checks, listed
+
+Needs torch (2.11 or later) and a CUDA GPU, nothing else: no DVC, no MLflow, no package registry. Runs ampbench's
+engine on ResNet-18 (CIFAR stem) with CIFAR-shaped synthetic data. Writes ``results.json`` and ``results.md``
+under --out as the checks finish, so a run cut short keeps what it measured; exits 1 if a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from ampbench import config, data, env, runplan, sweep
+from ampbench.measure import memory
+from ampbench.train import engine, runner
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+CHECKS = {
+    "host_syncs": "host syncs inside an optimizer step (torch.cuda.set_sync_debug_mode('warn')): none for fp32, "
+                  "tf32 and bf16; GradScaler's one for fp16",
+    "steady_peak": "the steady-state training peak against activations + parameters + gradients + optimizer state "
+                   "+ the data set: at least that, at most 1.5x that + 1 GiB (workspaces, autocast's weight copies)",
+    "gpu_busy": "the step profile's GPU busy share is at most 100% (kernels only, overlaps merged)",
+    "largest_batch": "the largest-batch search under sweep.memory_limit_gib = 4: measured (not a ceiling or a "
+                     "stop), and its step's peak within the cap",
+    "tf32_getters": "every TF32 getter (old and new API) readable after ampbench sets strict fp32 and TF32",
+    "nccl_ddp": "two processes over NCCL (2+ GPUs visible): one DDP step leaves the same weights on both",
+}
+
+
+def _plan(precision: str, epochs: int = 1, batch: int = 256, **train) -> runplan.RunPlan:
+    variant = {"fp32": ("fp32", False), "tf32": ("fp32", True), "bf16": ("bf16", False), "fp16": ("fp16", False)}
+    prec, tf32 = variant[precision]
+    cfg = config.from_dict({"device": "cuda", "model": {"arch": "resnet18"}, "mlflow": {"enabled": False},
+                            "train": {"epochs": epochs, "batch_size": batch, "warmup_steps": 5, "allow_tf32": tf32,
+                                      **train},
+                            "variants": {precision: {"precision": prec, "accum_steps": 1}},
+                            "profile": {"steps": 5}, "amp": {"audit_batches": 0}})
+    return runplan.make_plan(cfg, precision, "cuda")
+
+
+def check_host_syncs(prepared: dict) -> dict:
+    per_step = {}
+    for precision in PRECISIONS:
+        trainer = engine.Trainer(_plan(precision), prepared, progress=False)
+        batches = trainer.train_batches.epoch(0)
+        for _ in range(3):  # warm: allocations and autotuning sync as they please
+            trainer.optimizer_step(*next(batches))
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")  # a warning per call, not one per call site
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                for _ in range(10):
+                    trainer.optimizer_step(*next(batches))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        per_step[precision] = len(syncs) / 10
+    passed = all(per_step[p] == 0 for p in ("fp32", "tf32", "bf16")) and per_step["fp16"] <= 1
+    return {"figure": per_step, "passed": passed, "detail": "syncs per optimizer step"}
+
+
+def check_steady_peak(prepared: dict) -> dict:
+    figures, passed = {}, True
+    for precision in ("fp32", "fp16"):
+        m = runner.train(_plan(precision, epochs=2), prepared, progress=False, profile=False).metrics
+        predicted = (m["activation_bytes"] + m["param_bytes"] + m["grad_bytes"] + m["optimizer_state_bytes"]
+                     + m["dataset_bytes"])
+        ok = predicted <= m["peak_mem_bytes"] <= 1.5 * predicted + 2**30
+        figures[precision] = {"peak_mem_bytes": m["peak_mem_bytes"], "predicted_bytes": predicted,
+                              "ratio": m["peak_mem_bytes"] / predicted, "window": m["peak_window"],
+                              "first_step_peak_mem_bytes": m["first_step_peak_mem_bytes"],
+                              "eval_peak_mem_bytes": m["eval_peak_mem_bytes"]}
+        passed = passed and ok
+    return {"figure": figures, "passed": passed, "detail": "steady-state peak / predicted bytes"}
+
+
+def check_gpu_busy(prepared: dict) -> dict:
+    busy = {}
+    for precision in ("fp32", "fp16"):
+        m = runner.train(_plan(precision), prepared, progress=False).metrics
+        busy[precision] = m["profile"]["gpu_busy_fraction"]
+    return {"figure": busy, "passed": all(b is not None and 0 < b <= 1.0 for b in busy.values()),
+            "detail": "GPU busy share of the profiled steps"}
+
+
+def check_largest_batch(prepared: dict) -> dict:
+    cfg = config.from_dict({"device": "cuda", "model": {"arch": "resnet18"}, "mlflow": {"enabled": False},
+                            "sweep": {"memory_limit_gib": 4}})
+    device = torch.device("cuda")
+    sweep.cap_memory(cfg, device)
+    bench = sweep.Bench(cfg, prepared, device, "fp16")
+    limit, what = sweep.limit_bytes(cfg, device)
+    found = sweep.search_max(bench, 256, limit, what)
+    memory.reset_peak_memory(device)
+    bench.try_step(found["largest_batch"])
+    peak = torch.cuda.max_memory_allocated()
+    bench.free()
+    torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+    return {"figure": {"largest_batch": found["largest_batch"], "method": found["method"], "tries": found["tries"],
+                       "peak_mem_bytes": peak, "limit_bytes": limit, "notes": found["notes"]},
+            "passed": found["method"] == "measured" and peak <= limit, "detail": found["how"]}
+
+
+def check_tf32_getters(prepared: dict) -> dict:
+    from ampbench import precision
+    read = {}
+    for allow in (False, True, False):
+        precision.set_tf32(allow)
+        try:
+            read[str(allow)] = [torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32,
+                                torch.get_float32_matmul_precision(), torch.backends.cuda.matmul.fp32_precision,
+                                torch.backends.cudnn.conv.fp32_precision]
+        except RuntimeError as err:
+            return {"figure": read, "passed": False, "detail": str(err)[:300]}
+    return {"figure": read, "passed": True, "detail": "getters after set_tf32(False, True, False)"}
+
+
+def _ddp_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=2, device_id=torch.device("cuda", rank))
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 8).cuda(rank), device_ids=[rank])
+    x = torch.randn(16, 64, device=f"cuda:{rank}") * (rank + 1)  # different data on each rank
+    model(x).square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    weights = [p.detach().clone() for p in model.parameters()]
+    gathered = [[torch.empty_like(w) for w in weights] for _ in range(2)]
+    for i, w in enumerate(weights):
+        dist.all_gather([g[i] for g in gathered], w)
+    if rank == 0:
+        Path(out).write_text(json.dumps(all(torch.equal(a, b) for a, b in zip(*gathered, strict=True))))
+    dist.destroy_process_group()
+
+
+def check_nccl_ddp(prepared: dict) -> dict:
+    if torch.cuda.device_count() < 2:
+        return {"figure": torch.cuda.device_count(), "passed": None, "detail": "skipped: one GPU visible"}
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "same.json"
+        mp.spawn(_ddp_worker, args=(port, str(out)), nprocs=2, join=True)
+        same = json.loads(out.read_text())
+    return {"figure": same, "passed": same, "detail": "weights equal on both ranks after one DDP step"}
+
+
+def _write(out: Path, info: dict, results: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"env": info, "checks": results}, indent=2, default=str) + "\n")
+    lines = [f"# GPU validation: {(info.get('gpu') or {}).get('name', 'no GPU')}", "",
+             f"`python {' '.join(sys.argv)}`, torch {torch.__version__}, CUDA {info.get('cuda_runtime')}, driver "
+             f"{info.get('driver')}, {time.strftime('%Y-%m-%d')}.", "", "| check | result | figure | what |",
+             "|---|---|---|---|"]
+    for name, r in results.items():
+        verdict = {True: "pass", False: "FAIL", None: "skipped"}[r["passed"]]
+        lines.append(f"| {name} | {verdict} | `{json.dumps(r['figure'], default=str)[:300]}` | {CHECKS[name]} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/gpu_validate", help="folder for results.json and .md")
+    ap.add_argument("--dry-run", action="store_true", help="list the checks and exit")
+    ap.add_argument("--only", nargs="*", choices=list(CHECKS), help="run these checks only")
+    args = ap.parse_args()
+    if args.dry_run:
+        for name, what in CHECKS.items():
+            print(f"{name}: {what}")
+        return
+    if not torch.cuda.is_available():
+        sys.exit("error: no CUDA GPU here; gpu_validate checks what only a GPU can show (--dry-run lists them)")
+    info = env.probe()
+    prepared = data.synthetic_in_memory(4096, 1024, seed=0, device="cuda")
+    results: dict = {}
+    t0 = time.perf_counter()
+    for name in args.only or CHECKS:
+        start = time.perf_counter()
+        try:
+            results[name] = globals()[f"check_{name}"](prepared)
+        except Exception as err:  # a check that crashes has failed; the others still run
+            results[name] = {"figure": None, "passed": False, "detail": f"{type(err).__name__}: {str(err)[:300]}"}
+        r = results[name]
+        verdict = {True: "pass", False: "FAIL", None: "skipped"}[r["passed"]]
+        print(f"{name}: {verdict} ({time.perf_counter() - start:.0f} s): {json.dumps(r['figure'], default=str)}"
+              f" [{r['detail']}]", flush=True)
+        _write(Path(args.out), info, results)
+    print(f"{sum(r['passed'] is True for r in results.values())} passed, "
+          f"{sum(r['passed'] is False for r in results.values())} failed in {time.perf_counter() - t0:.0f} s")
+    if any(r["passed"] is False for r in results.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
