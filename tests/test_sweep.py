@@ -203,3 +203,28 @@ def test_a_memory_cap_on_cuda_names_the_device_index(monkeypatch):
     cfg = config.from_dict({"sweep": {"memory_limit_gib": 24}})
     sweep.cap_memory(cfg, torch.device("cuda"))
     assert calls == [(0.25, 0)]
+
+
+def test_the_sweep_builds_its_model_as_training_does_with_cudnn_autotuning_on_a_gpu(monkeypatch, tmp_path):
+    """The sweep's points are built by the trainer's own builder (train.setup.build), which turns cuDNN's
+    autotuner on for a CUDA device, so a sweep point at the training batch measures what training runs."""
+    from ampbench import config, data, models
+    from ampbench.train import setup
+    out = tmp_path / "prepared"
+    data.prepare(config.DataConfig(source="synthetic", train_size=32, test_size=8), 0, out, out / "raw")
+    prepared = data.load_prepared(out, "cpu")
+    built = []
+    real_build = setup.build
+    monkeypatch.setattr(setup, "build", lambda plan, *a, **kw: built.append(plan) or real_build(plan, *a, **kw))
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "train": {"compile": True}})
+    bench = sweep.Bench(cfg, prepared, torch.device("cpu"), "fp16")
+    assert [p.precision for p in built] == ["fp16"] and built[0].amp == cfg.amp  # a plan, with the loss scale
+    assert built[0].train.compile is False  # each swept batch would compile anew
+    assert bench.scaler.is_enabled()
+
+    real_models_build = models.build
+    monkeypatch.setattr(models, "build", lambda mcfg, num_classes, image_size, device: real_models_build(
+        mcfg, num_classes=num_classes, image_size=image_size, device="cpu"))  # a "cuda" model, built on the CPU
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
+    real_build(built[0], prepared["meta"], torch.device("cuda"))
+    assert torch.backends.cudnn.benchmark is True
