@@ -46,6 +46,6 @@ bench: install
 gpu-check: install
 	python benchmarks/gpu_check.py --out benchmarks/results/gpu_check.json
 
-# Needs only torch and a GPU (no DVC, MLflow or package registry): no install step.
+# Needs a GPU, torch with its torchvision, pyyaml, tqdm, psutil, numpy; no DVC, MLflow or install step.
 gpu-validate:
 	PYTHONPATH=src python3 benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate

@@ -3,8 +3,9 @@
     PYTHONPATH=src python3 benchmarks/gpu_validate.py --out benchmarks/results/gpu_validate   # make gpu-validate
     python benchmarks/gpu_validate.py --dry-run                                              # the checks, listed
 
-Needs torch (2.11 or later) and a CUDA GPU, nothing else: no DVC, no MLflow, no package registry. Runs ampbench's
-engine on ResNet-18 (CIFAR stem) with CIFAR-shaped synthetic data. Writes ``results.json`` and ``results.md``
+Needs a CUDA GPU, torch (2.11 or later) with its torchvision, and ampbench's light dependencies (pyyaml, tqdm,
+psutil, numpy); no DVC, no MLflow, no package registry. Runs ampbench's engine on ResNet-18 (CIFAR stem) with
+CIFAR-shaped synthetic data. Writes ``results.json`` and ``results.md``
 under --out as the checks finish, so a run cut short keeps what it measured; exits 1 if a check failed.
 """
 
@@ -18,11 +19,15 @@ import time
 import warnings
 from pathlib import Path
 
-import torch
+try:
+    import torch
 
-from ampbench import config, data, env, runplan, sweep
-from ampbench.measure import memory
-from ampbench.train import engine, runner
+    from ampbench import config, data, env, runplan, sweep
+    from ampbench.measure import memory
+    from ampbench.train import engine, runner
+except ImportError as err:  # run from the repository root with PYTHONPATH=src, beside torch and torchvision
+    sys.exit(f"error: {err}; gpu_validate needs torch, torchvision, pyyaml, tqdm, psutil and numpy, and ampbench "
+             "importable: run it from the repository root as PYTHONPATH=src python3 benchmarks/gpu_validate.py")
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 CHECKS = {
@@ -32,7 +37,7 @@ CHECKS = {
                    "+ the data set: at least that, at most 1.5x that + 1 GiB (workspaces, autocast's weight copies)",
     "gpu_busy": "the step profile's GPU busy share is at most 100% (kernels only, overlaps merged)",
     "largest_batch": "the largest-batch search under sweep.memory_limit_gib = 4: measured (not a ceiling or a "
-                     "stop), and its step's peak within the cap",
+                     "stop), above the first try (256), with the peak reserved at that batch recorded",
     "tf32_getters": "every TF32 getter (old and new API) readable after ampbench sets strict fp32 and TF32",
     "nccl_ddp": "two processes over NCCL (2+ GPUs visible): one DDP step leaves the same weights on both",
 }
@@ -50,13 +55,14 @@ def _plan(precision: str, epochs: int = 1, batch: int = 256, **train) -> runplan
 
 
 def check_host_syncs(prepared: dict) -> dict:
-    per_step = {}
+    per_step, allowed, passed = {}, {}, True
     for precision in PRECISIONS:
         trainer = engine.Trainer(_plan(precision), prepared, progress=False)
         batches = trainer.train_batches.epoch(0)
         for _ in range(3):  # warm: allocations and autotuning sync as they please
             trainer.optimizer_step(*next(batches))
         torch.cuda.synchronize()
+        skipped = trainer.skipped
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")  # a warning per call, not one per call site
             torch.cuda.set_sync_debug_mode("warn")
@@ -66,9 +72,12 @@ def check_host_syncs(prepared: dict) -> dict:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        # a skipped fp16 step also asks whether its loss was finite (one more sync, on skipped steps only)
+        allowed[precision] = (10 + trainer.skipped - skipped) if trainer.policy.uses_scaler else 0
         per_step[precision] = len(syncs) / 10
-    passed = all(per_step[p] == 0 for p in ("fp32", "tf32", "bf16")) and per_step["fp16"] <= 1
-    return {"figure": per_step, "passed": passed, "detail": "syncs per optimizer step"}
+        passed = passed and len(syncs) <= allowed[precision]
+    return {"figure": per_step, "passed": passed,
+            "detail": f"syncs per optimizer step over 10 steps; allowed in all: {allowed}"}
 
 
 def check_steady_peak(prepared: dict) -> dict:
@@ -99,18 +108,24 @@ def check_largest_batch(prepared: dict) -> dict:
     cfg = config.from_dict({"device": "cuda", "model": {"arch": "resnet18"}, "mlflow": {"enabled": False},
                             "sweep": {"memory_limit_gib": 4}})
     device = torch.device("cuda")
+    memory.reset_peak_memory(device)  # what earlier checks left cached would count against the cap
     sweep.cap_memory(cfg, device)
-    bench = sweep.Bench(cfg, prepared, device, "fp16")
-    limit, what = sweep.limit_bytes(cfg, device)
-    found = sweep.search_max(bench, 256, limit, what)
-    memory.reset_peak_memory(device)
-    bench.try_step(found["largest_batch"])
-    peak = torch.cuda.max_memory_allocated()
-    bench.free()
-    torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
+    try:
+        bench = sweep.Bench(cfg, prepared, device, "fp16")
+        limit, what = sweep.limit_bytes(cfg, device)
+        found = sweep.search_max(bench, 256, limit, what)
+        peak = None
+        if found["largest_batch"]:  # its step again, its peak measured: within the cap by construction
+            memory.reset_peak_memory(device)
+            bench.try_step(found["largest_batch"])
+            peak = torch.cuda.max_memory_reserved()
+            bench.free()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, torch.cuda.current_device())
     return {"figure": {"largest_batch": found["largest_batch"], "method": found["method"], "tries": found["tries"],
-                       "peak_mem_bytes": peak, "limit_bytes": limit, "notes": found["notes"]},
-            "passed": found["method"] == "measured" and peak <= limit, "detail": found["how"]}
+                       "peak_reserved_bytes": peak, "limit_bytes": limit, "notes": found["notes"]},
+            "passed": found["method"] == "measured" and bool(found["largest_batch"]) and found["largest_batch"] > 256,
+            "detail": found["how"]}
 
 
 def check_tf32_getters(prepared: dict) -> dict:

@@ -79,8 +79,9 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
          env_path: Path) -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
     result.metrics["git_commit"] = env.git_commit()
-    # median SM clock, temperature and power while training, and energy per image (power over img/s)
-    result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s")))
+    # rank 0's GPU: median SM clock, temperature and power over the stage, energy per image (its power over its
+    # own share of the throughput)
+    result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s_per_process")))
     result.metrics["env_fingerprint"] = env.fingerprint(info)
     results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
                       result.numerics, result.system, result.profile_trace)

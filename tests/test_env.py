@@ -197,3 +197,8 @@ def test_the_makefile_installs_torch_from_another_index_when_asked():
                          cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     assert "--index-url https://example.invalid/cu126 torch==2.14.1 torchvision==0.29.1" in dry
     assert "requirements-without-torch.txt" in dry
+
+
+def test_ptx_in_the_build_runs_on_newer_gpus():
+    assert env.has_kernels((12, 1), ["sm_90", "compute_90"])  # PTX JIT-compiled for a newer GPU
+    assert not env.has_kernels((12, 1), ["sm_90"]) and not env.has_kernels((8, 0), ["sm_90", "compute_90"])

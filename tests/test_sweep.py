@@ -63,6 +63,18 @@ def test_an_edge_error_means_does_not_run_and_a_broken_context_stops_the_search(
         sweep.largest_batch(sweep.fits(broken, lambda: None), 32)
     assert stop.value.found == 128 and stop.value.batch == 256 and "illegal memory access" in stop.value.message
 
+    def alloc(batch):  # a library's own out-of-memory means "does not fit"
+        if batch > 500:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert sweep.largest_batch(sweep.fits(alloc, lambda: None), 32)[0] == 500
+
+    def execution(batch):  # its other errors may leave the context broken: the search stops
+        if batch >= 300:
+            raise RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED")
+    with pytest.raises(sweep.SearchStopped) as stop:
+        sweep.largest_batch(sweep.fits(execution, lambda: None), 32)
+    assert stop.value.found == 256
+
 
 def test_the_cuda_search_labels_what_it_found(monkeypatch):
     """measured, a lower bound at the ceiling, or stopped by a CUDA error: never a ceiling called measured."""

@@ -119,11 +119,15 @@ def has_tensor_cores(name: str, cap: tuple[int, int]) -> bool:
 def has_kernels(cap: tuple[int, int], arch_list: list[str]) -> bool:
     """Whether a torch build carrying ``arch_list`` runs on a GPU of capability ``cap``, by torch's rule: an
     ``sm_`` entry of the same major version and a minor no higher than the device's (an sm_89 RTX 4090 runs
-    sm_86 kernels). An empty list (a build that does not say) is taken to run."""
-    sms = [m.group(1) for a in arch_list if (m := re.fullmatch(r"sm_(\d+)[af]?", a))]
+    sm_86 kernels), or a ``compute_`` (PTX) entry no newer than the device. An empty list (a build that does not
+    say) is taken to run."""
+    sms = [int(m.group(1)) for a in arch_list if (m := re.fullmatch(r"sm_(\d+)[af]?", a))]
+    ptx = [int(m.group(1)) for a in arch_list if (m := re.fullmatch(r"compute_(\d+)[af]?", a))]
     if not arch_list:
         return True
-    return any(int(sm) // 10 == cap[0] and int(sm) % 10 <= cap[1] for sm in sms)
+    device = 10 * cap[0] + cap[1]
+    return (any(sm // 10 == cap[0] and sm % 10 <= cap[1] for sm in sms)
+            or any(p <= device for p in ptx))  # PTX is compiled for the device when it loads
 
 
 def warnings_for(info: dict) -> list[str]:

@@ -134,10 +134,14 @@ class Bench:
         return 2 * memory.tensor_bytes(params) + memory.optimizer_state_bytes(self.opt)
 
 
+# Out of memory that a library (cuBLAS, cuDNN) reports as its own error: it does not fit, as OutOfMemoryError.
+OUT_OF_MEMORY = re.compile(r"out of memory|ALLOC_FAILED|CUDNN_STATUS_ALLOC", re.IGNORECASE)
 # Errors at the edge of what a GPU can run that leave the process usable: that batch "does not run" (the message
-# is kept). Any other CUDA error (an illegal address, a launch failure) leaves the context broken: the search stops.
+# is kept). Any other CUDA, cuDNN or cuBLAS error (an illegal address, a launch failure, an execution failure)
+# may leave the context broken: the search stops.
 DOES_NOT_RUN = re.compile(r"unable to find an engine|CUDNN_STATUS_NOT_SUPPORTED|find a valid cuDNN algorithm"
-                          r"|canUse32BitIndexMath|32-bit index|int32|INT_MAX", re.IGNORECASE)
+                          r"|canUse32BitIndexMath|32-bit index math|exceeds INT_MAX|int32 index", re.IGNORECASE)
+LIBRARY_ERROR = re.compile(r"CUDA error|cuDNN error|CUDNN_STATUS|CUBLAS_STATUS")
 
 
 class SearchStopped(Exception):
@@ -149,7 +153,7 @@ class SearchStopped(Exception):
 
 
 def _cuda_error(err: RuntimeError) -> bool:
-    return isinstance(err, getattr(torch, "AcceleratorError", ())) or "CUDA error" in str(err)
+    return isinstance(err, getattr(torch, "AcceleratorError", ())) or bool(LIBRARY_ERROR.search(str(err)))
 
 
 def fits(attempt: Callable[[int], object], free: Callable[[], None],
@@ -165,6 +169,9 @@ def fits(attempt: Callable[[int], object], free: Callable[[], None],
             return False
         except RuntimeError as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            if OUT_OF_MEMORY.search(str(err)):
+                free()
+                return False
             if DOES_NOT_RUN.search(str(err)):
                 free()
                 if notes is not None:

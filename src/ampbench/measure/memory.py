@@ -92,8 +92,21 @@ class PeakWindows:
         seen["peak_reserved_bytes"] = max(seen["peak_reserved_bytes"], torch.cuda.max_memory_reserved())
         self.open_phase = None
 
+    PHASES = ("first step", "train", "eval")
+    KEYS = ("peak_mem_bytes", "peak_reserved_bytes")
+
     def state_dict(self) -> dict:
         return {k: dict(v) for k, v in self.peaks.items()}
+
+    def flat(self) -> list[float]:
+        """The peaks as one list (phase by phase, 0 for none): what ranks max-reduce before a checkpoint."""
+        return [float(self.peaks.get(p, {}).get(k, 0)) for p in self.PHASES for k in self.KEYS]
+
+    def from_flat(self, values: list[float]) -> dict:
+        """``flat``'s list back into a state: the phases with a peak."""
+        it = iter(values)
+        state = {p: {k: int(next(it)) for k in self.KEYS} for p in self.PHASES}
+        return {p: v for p, v in state.items() if v["peak_mem_bytes"]}
 
     def load_state_dict(self, state: dict) -> None:
         self.peaks = {k: dict(v) for k, v in state.items()}

@@ -205,7 +205,9 @@ def memory(summary: dict, env: dict, runs: dict) -> list[str]:
         "", "Peak (training): on a GPU, CUDA `max_memory_allocated` over the steady-state training steps: from "
         "each process's second step (the first one autotunes cuDNN, whose workspace is its own column) to the end "
         "of each epoch's training, the counters reset with `reset_peak_memory_stats` alone; evaluation's peak is "
-        "its own column; reserved: what the caching allocator held. On a CPU, the process's peak RSS, which counts "
+        "its own column. Peak reserved is what the caching allocator held at most during training: it keeps the "
+        "blocks it has cached, autotuning workspace included, so it is not a steady-state figure. On a CPU, the "
+        "process's peak RSS, which counts "
         "the interpreter and the data set too. Activations: bytes saved for backward, counted with "
         "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
         "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant. The data "
@@ -230,8 +232,9 @@ def gpu_state(summary: dict, env: dict, runs: dict) -> list[str]:
                      f"| {fmt.num(r.get('gpu_power_w_median'), ',.0f', 'n/a')} W "
                      f"| {fmt.num(r.get('energy_per_image_j'), '.3g', 'n/a')} J "
                      f"| {fmt.times(r.get('energy_ratio'))} |")
-    lines += ["", "Sampled by NVML every 0.5 s while each variant trained, on the GPU it trained on (found by UUID). "
-              "Energy per image is the median power over the variant's img/s. The variants ran one after another, "
+    lines += ["", "Sampled by NVML every 0.5 s during each variant's train stage (setup, evaluation and the profile "
+              "included), on the GPU it trained on (found by UUID; rank 0's under DDP). Energy per image is that "
+              "GPU's median power over its own img/s. The variants ran one after another, "
               "in the order shown; a GPU that heats up can lower its clock for the later ones.", ""]
     differs = [n for n, r in rows.items() if r.get("clock_differs")]
     if differs:

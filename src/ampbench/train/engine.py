@@ -12,6 +12,7 @@ drives it epoch by epoch with checkpoints and Ctrl-C handling.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -161,6 +162,7 @@ class Trainer:
     def fail(self, why: str) -> None:
         """Stop the run with a diagnosis: which module first produced inf/NaN, and which gradient."""
         x, y = self.last_batch
+        self.peaks.close()  # the diagnosis's own passes are not training's
         self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.last_scale or 1.0)
         self.diagnosis["reason"] = why
         raise NonFiniteTraining(
@@ -181,7 +183,7 @@ class Trainer:
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
         self.clock.begin()
         self.peaks.open("train" if self.clock.process_steps >= 1 else "first step")
-        with clock.wall_clock(self.device) as wall:
+        with clock.wall_clock(self.device) as wall, contextlib.closing(self.peaks):  # a failure closes it too
             while self.step_in_epoch < self.steps_per_epoch and not self.stop_now():
                 with self.clock.data():
                     x, y = next(batches)
@@ -200,7 +202,6 @@ class Trainer:
                     if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
                         self.fail("the training loss became inf/NaN")
             ep_images, ep_ms = self.clock.end()  # the last step's cycle ends with the loop, as the others do
-            self.peaks.close()
         bar.close()
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
@@ -262,7 +263,8 @@ class Trainer:
         state = {k: getattr(self, k) for k in self._SCALARS}
         loss_sum, seen = self.world.reduce([self.loss_sum.item(), self.seen])
         state["seen"] = int(seen)
-        state.update(clock=self.clock.state_dict(), peaks=self.peaks.state_dict(), model=self.model.state_dict(),
+        peaks = self.peaks.from_flat(self.world.reduce(self.peaks.flat(), "max"))  # every rank's largest
+        state.update(clock=self.clock.state_dict(), peaks=peaks, model=self.model.state_dict(),
                      opt=self.opt.state_dict(), sched=self.sched.state_dict(), scaler=self.scaler.state_dict(),
                      loss_sum=loss_sum,
                      rng_cpu=torch.get_rng_state(),

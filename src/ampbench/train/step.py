@@ -7,7 +7,9 @@ micro-batches; ``train_step`` adds the zeroing, the scaler's step and update.
 
 from __future__ import annotations
 
-import numpy as np
+import math
+import struct
+
 import torch
 import torch.nn.functional as F
 
@@ -90,15 +92,19 @@ class HostScale:
         self.backoff = float(state.get("backoff_factor", scaler.get_backoff_factor()))
         self.interval = int(state.get("growth_interval", scaler.get_growth_interval()))
 
+    @staticmethod
+    def _float32(x: float) -> float:
+        return struct.unpack("f", struct.pack("f", x))[0] if math.isfinite(x) and abs(x) < 3.4e38 else math.inf
+
     def update(self, skipped: bool) -> float:
         """The scale after a step, rounded as the scaler's float32 tensor is (its factors are doubles)."""
         if skipped:
-            self.scale = float(np.float32(self.scale * self.backoff))
+            self.scale = self._float32(self.scale * self.backoff)
             self.tracker = 0
         else:
             self.tracker += 1
             if self.tracker == self.interval:
-                grown = float(np.float32(self.scale * self.growth))
-                self.scale = grown if np.isfinite(grown) else self.scale
+                grown = self._float32(self.scale * self.growth)
+                self.scale = grown if math.isfinite(grown) else self.scale
                 self.tracker = 0
         return self.scale
