@@ -93,19 +93,24 @@ def test_fp16_saves_activation_memory(tiny_params, tiny_data):
     assert accum["activation_bytes"] < 0.4 * amp["activation_bytes"]  # a quarter of the batch per forward
 
 
-def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeypatch):
-    """An inf gradient: the step is skipped (weights unchanged), counted, and the scale backs off."""
+def _overflow_at(monkeypatch, n: int) -> None:
+    """The ``n``-th optimizer step's gradients get an inf, as an fp16 overflow would leave them."""
     real = step.accumulate_gradients
     calls = {"n": 0}
 
     def poisoned(model, *args):
         loss = real(model, *args)
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] == n:
             next(model.parameters()).grad[0].fill_(float("inf"))
         return loss
 
     monkeypatch.setattr(step, "accumulate_gradients", poisoned)
+
+
+def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeypatch):
+    """An inf gradient: the step is skipped (weights unchanged), counted, and the scale backs off."""
+    _overflow_at(monkeypatch, 1)
     result = runner.train(_plan(tiny_params, "amp"), tiny_data, progress=False)
     m = result.metrics
     assert m["skipped_steps"] == 1 and m["final_loss_scale"] == 4096
@@ -145,17 +150,7 @@ def test_an_fp16_step_syncs_the_host_once(tiny_params, tiny_data, monkeypatch):
     reads = []
     real = torch.amp.GradScaler.get_scale
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
-    calls = {"n": 0}
-    real_acc = step.accumulate_gradients
-
-    def poisoned(model, *args):  # the second step overflows: it must still be seen as skipped
-        loss = real_acc(model, *args)
-        calls["n"] += 1
-        if calls["n"] == 2:
-            next(model.parameters()).grad[0].fill_(float("inf"))
-        return loss
-
-    monkeypatch.setattr(step, "accumulate_gradients", poisoned)
+    _overflow_at(monkeypatch, 2)  # the second step overflows: it must still be seen as skipped
     tiny_params["train"]["epochs"] = 2
     trainer = engine.Trainer(_plan(tiny_params, "amp", epochs=2), tiny_data, progress=False)
     reads.clear()
