@@ -34,8 +34,8 @@ def main() -> None:
     env.check_fits(data.resident_bytes(desc, cfg.train.augment), desc, device, info)
     model = models.check(cfg.model, num_classes=desc["num_classes"],
                          image_size=models.input_size(cfg.model, desc["image_size"]))
-    source = models.source_hash(cfg.model)
-    plans = {name: runplan.make_plan(cfg, name, device, source) for name in cfg.variants}
+    source = models.source_record(cfg.model)  # the factory imported and hashed once, for the plans and the sweep
+    plans = {name: runplan.make_plan(cfg, name, device, source["factory_source"]) for name in cfg.variants}
     env.check_distributed(cfg.distributed, device, info, {p.grad_comm for p in plans.values() if p.ddp})
     models.check_unused(model, cfg.model, cfg.distributed, any(p.ddp for p in plans.values()))
     for warning in env.warnings_for(info):
@@ -57,8 +57,7 @@ def main() -> None:
     atomic_write(Path(args.env), json.dumps(info, indent=2, sort_keys=True) + "\n")
     atomic_write(Path(args.data_source), json.dumps({"data": config.to_dict(cfg.data), "seed": cfg.seed, **desc},
                                                     indent=2, sort_keys=True) + "\n")
-    atomic_write(Path(args.model_source), json.dumps(models.source_record(cfg.model), indent=2,
-                                                     sort_keys=True) + "\n")
+    atomic_write(Path(args.model_source), json.dumps(source, indent=2, sort_keys=True) + "\n")
     plan_dir = Path(args.plans)
     plan_dir.mkdir(parents=True, exist_ok=True)
     for stale in plan_dir.glob("*.json"):

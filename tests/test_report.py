@@ -111,7 +111,7 @@ def _every_section_fixture(runs):
               for p in ("fp32", "fp16") for b in (32, 64)]
     largest = {p: {"largest_batch": n, "method": "estimate", "how": "bytes per image", "limit_bytes": 2 ** 30,
                    "limit": "device memory"} for p, n in (("fp32", 512), ("fp16", 1024))}
-    return {"enabled": True, "device": "cpu", "steps": 3, "points": points, "precisions": ["fp32", "fp16"],
+    return {"enabled": True, "device": "cpu", "steps": 3, "warmup": 2, "points": points, "precisions": ["fp32", "fp16"],
             "largest": largest, "reused_points": 0, "measured_points": 4}
 
 

@@ -171,7 +171,7 @@ def sweep(found: dict | None) -> dict | None:
     base = (largest.get("fp32") or {}).get("largest_batch")
     for row in largest.values():
         row["vs_fp32"] = row["largest_batch"] / base if base and row.get("largest_batch") else None
-    return {"device": found["device"], "steps": found["steps"], "warmup": found.get("warmup", 2), "points": by_prec,
+    return {"device": found["device"], "steps": found["steps"], "warmup": found["warmup"], "points": by_prec,
             "largest": largest,
             "reused_points": found.get("reused_points"), "measured_points": found.get("measured_points")}
 

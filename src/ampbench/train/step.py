@@ -85,12 +85,12 @@ class HostScale:
     (``get_scale``) is an ``.item()``: a second sync per step that fp32 and bf16 do not pay."""
 
     def __init__(self, scaler: torch.amp.GradScaler):
-        state = scaler.state_dict()  # one read, at the start or after a resume
-        self.scale = float(state.get("scale", scaler.get_scale()))
-        self.tracker = int(state.get("_growth_tracker", 0))
-        self.growth = float(state.get("growth_factor", scaler.get_growth_factor()))
-        self.backoff = float(state.get("backoff_factor", scaler.get_backoff_factor()))
-        self.interval = int(state.get("growth_interval", scaler.get_growth_interval()))
+        state = scaler.state_dict()  # an enabled scaler's: one read, at the start or after a resume
+        self.scale = float(state["scale"])
+        self.tracker = int(state["_growth_tracker"])
+        self.growth = float(state["growth_factor"])
+        self.backoff = float(state["backoff_factor"])
+        self.interval = int(state["growth_interval"])
 
     @staticmethod
     def _float32(x: float) -> float:

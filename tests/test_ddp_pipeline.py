@@ -1,0 +1,175 @@
+"""Data-parallel training through the real pipeline: `dvc repro` with distributed.nproc_per_node: 2, torchrun
+starting 2 gloo processes. One writer, one MLflow run per variant, the report's DDP section; SIGKILL of the whole
+group and Ctrl-C to torchrun, then a rerun that resumes to the uninterrupted run's history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.test_distributed import WORLD
+
+DDP_VARIANTS = {"fp32": {"precision": "fp32", "accum_steps": 1},            # 2 processes
+                "fp32_1proc": {"precision": "fp32", "accum_steps": 1, "ddp": False},
+                "amp_accum": {"precision": "fp16", "accum_steps": 2, "grad_comm": "fp16"}}
+
+
+def _ddp_params(variants: dict) -> dict:
+    import copy
+
+    import yaml
+
+    from ampbench import sandbox
+    params = sandbox.merge(copy.deepcopy(yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())), {
+        "device": "cpu", "data": {"source": "synthetic", "train_size": 1024, "test_size": 64},
+        "model": {"arch": "small_cnn"}, "train": {"epochs": 3, "batch_size": 32, "warmup_steps": 2},
+        "sweep": {"enabled": False}, "profile": {"steps": 1}, "amp": {"audit_batches": 1},
+        "distributed": {"nproc_per_node": WORLD}})
+    params["variants"] = variants
+    return params
+
+
+def _repro(repo: Path, **kw):
+    import subprocess
+    import sys
+
+    from ampbench import sandbox
+    return subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=sandbox.env_with_venv(),
+                          capture_output=True, text=True, timeout=900, **kw)
+
+
+@pytest.fixture(scope="module")
+def ddp_pipeline(tmp_path_factory):
+    from ampbench import sandbox
+    repo = sandbox.create(tmp_path_factory.mktemp("ddp"), _ddp_params(DDP_VARIANTS))
+    mp_ = pytest.MonkeyPatch()
+    mp_.delenv("MLFLOW_TRACKING_URI", raising=False)
+    proc = _repro(repo)
+    mp_.undo()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return repo, proc
+
+
+def _history(repo: Path, variant: str) -> list[list[str]]:
+    rows = (repo / "reports" / "runs" / variant / "history.csv").read_text().splitlines()
+    return [r.split(",")[:5] for r in rows]  # epoch, train loss, eval loss, eval accuracy, lr
+
+
+def _same_history(rows: list[list[str]], reference: list[list[str]]) -> bool:
+    """The same epochs, and the same losses, accuracy and lr to float32 rounding: resuming mid-epoch under DDP
+    sums the epoch's loss over the ranks at the stop and again at the end, in another order than one run."""
+    if len(rows) != len(reference) or rows[0] != reference[0]:
+        return False
+    return all(a[0] == b[0] and [float(x) for x in a[1:]] == pytest.approx([float(x) for x in b[1:]], rel=1e-6)
+               for a, b in zip(rows[1:], reference[1:], strict=True))
+
+
+@pytest.mark.slow
+def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
+    from mlflow.tracking import MlflowClient
+    repo, proc = ddp_pipeline
+    assert "torchrun --standalone --nproc-per-node 2 stages/train.py" in proc.stdout
+    metrics = {v: json.loads((repo / "reports" / "runs" / v / "metrics.json").read_text()) for v in DDP_VARIANTS}
+    assert [metrics[v]["world_size"] for v in DDP_VARIANTS] == [2, 1, 2]
+    assert metrics["amp_accum"]["grad_comm"] == "fp16" and metrics["amp_accum"]["micro_batch_size"] == 8
+    assert metrics["fp32"]["backend"] == "gloo" and metrics["fp32"]["optimizer_steps"] == 3 * 1024 // 32
+    assert metrics["fp32"]["profile"]["communication"]["step_ms"] > 0
+    for v in DDP_VARIANTS:  # one writer: one set of run files, one line saying so
+        assert sorted(p.name for p in (repo / "reports" / "runs" / v).iterdir()) == sorted(
+            ["history.csv", "loss_scale.csv", "metrics.json", "numerics.csv", "profile_trace.json", "step_times.json",
+             "system.csv", ".gitignore"])
+        assert proc.stdout.count(f"train@{v}: final accuracy") == 1
+        assert [p.name for p in (repo / "checkpoints" / v).iterdir()] == ["COMPLETE"]
+    client = MlflowClient(f"sqlite:///{repo / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("ampbench").experiment_id])
+    names = sorted(r.info.run_name for r in runs)
+    assert names == sorted([f"train@{v}" for v in DDP_VARIANTS] + ["report"])  # one MLflow run per variant
+    report = (repo / "reports" / "report.md").read_text()
+    assert "## Past one process: data-parallel training (DDP)" in report
+    assert "| fp32 | 2 | gloo | fp32 |" in report and "`fp32_1proc`" in report
+    assert "- Processes: 2 (torchrun, gloo backend) for fp32, amp_accum; one for fp32_1proc" in report
+    assert "Data-parallel over 2 processes (gloo): fp32 ran " in report.splitlines()[2]  # the verdict says it
+    summary = json.loads((repo / "reports" / "summary.json").read_text())
+    row = next(r for r in summary["scaling"]["rows"] if r["variant"] == "fp32")
+    assert row["efficiency"] == pytest.approx(metrics["fp32"]["imgs_per_s"] / (2 * metrics["fp32_1proc"]["imgs_per_s"]))
+
+
+@pytest.mark.slow
+def test_sigkill_of_the_torchrun_group_then_dvc_repro_resumes_to_the_same_result(ddp_pipeline, tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    from ampbench import sandbox
+    reference, _ = ddp_pipeline
+    repo = sandbox.create(tmp_path / "repo", _ddp_params({"fp32": DDP_VARIANTS["fp32"]}))
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=sandbox.env_with_venv(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt = repo / "checkpoints" / "fp32" / "repeat1" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists():
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    stage = [p for p in psutil.process_iter(["cmdline", "cwd"]) if p.info["cwd"] == str(repo)
+             and "stages/train.py" in " ".join(p.info["cmdline"] or [])]
+    # DVC runs the cmd through $SHELL, or /bin/sh when it is unset: dash stays as torchrun's parent, bash
+    # execs it. The workers are the leaves; their one parent is torchrun.
+    workers = [p for p in stage if not p.children()]
+    launchers = {p.ppid() for p in workers}
+    assert len(workers) == WORLD and len(launchers) == 1, stage
+    workers.append(psutil.Process(launchers.pop()))
+    os.killpg(proc.pid, signal.SIGKILL)  # dvc and torchrun; torchrun's workers sit in sessions of their own
+    proc.wait()
+    gone, alive = psutil.wait_procs(workers, timeout=10)
+    assert not alive, f"workers outlived torchrun: {alive}"
+    again = _repro(repo)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
+    assert _history(repo, "fp32") == _history(reference, "fp32")  # the same result as the uninterrupted run
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(ddp_pipeline, tmp_path):
+    """SIGINT to torchrun, as a terminal's Ctrl-C: torchrun passes it on, the ranks agree on the step to stop
+    after, rank 0 saves it, and the rerun resumes mid-epoch to the uninterrupted run's history."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ampbench import sandbox
+    reference, _ = ddp_pipeline
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(WORLD), "stages/train.py",
+           "--plan", "reports/plans/fp32.json", "--data", "data/prepared", "--env", "reports/env.json",
+           "--out", str(tmp_path / "out"), "--checkpoints", str(tmp_path / "ckpt")]
+    proc = subprocess.Popen(cmd, cwd=reference, env=sandbox.env_with_venv(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    ckpt = tmp_path / "ckpt" / "repeat1" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists():  # the end of epoch 1
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, out[-2000:]
+    assert "Ctrl-C: stopping at the ranks' next sync" in out
+    # each rank's stop line; the ranks share one stderr, so two lines can arrive interleaved on one
+    stopped = re.findall(r"rank (\d+): \[fp32\] interrupted at (epoch \d+, step \d+)", out + err)
+    assert sorted(rank for rank, _ in stopped) == [str(r) for r in range(WORLD)], out[-2000:] + err[-2000:]
+    assert len({where for _, where in stopped}) == 1  # every rank, at the same step
+    assert not (tmp_path / "out" / "metrics.json").exists()
+    again = subprocess.run(cmd, cwd=reference, env=sandbox.env_with_venv(), capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
+    rows = (tmp_path / "out" / "history.csv").read_text().splitlines()
+    assert _same_history([r.split(",")[:5] for r in rows], _history(reference, "fp32"))
