@@ -22,25 +22,25 @@ import torch
 from ampbench import data, env
 from ampbench.config import AmpConfig, MlflowConfig, ModelConfig, TrainConfig
 from ampbench.measure import stats
-from ampbench.precision import amp_settings, unsupported
+from ampbench.precision import amp_settings, spec, unsupported
 from ampbench.runplan import RunPlan
 from ampbench.train import runner
 
-VARIANTS = [  # name, precision, accum_steps, allow_tf32
-    ("fp32_strict", "fp32", 1, False),
-    ("tf32", "fp32", 1, True),
-    ("fp16_amp", "fp16", 1, False),
-    ("bf16_amp", "bf16", 1, False),
-    ("fp16_amp_accum4", "fp16", 4, False),
+VARIANTS = [  # name, precision, accum_steps
+    ("fp32_strict", "fp32", 1),
+    ("tf32", "tf32", 1),
+    ("fp16_amp", "fp16", 1),
+    ("bf16_amp", "bf16", 1),
+    ("fp16_amp_accum4", "fp16", 4),
 ]
 
 
-def plan_for(name, precision, accum, tf32, args, epochs=1, repeats=None) -> RunPlan:
+def plan_for(name, precision, accum, args, epochs=1, repeats=None) -> RunPlan:
     repeats = args.repeats if repeats is None else repeats
     return RunPlan(variant=name, precision=precision, accum_steps=accum, device=args.device, seed=0,
                    model=ModelConfig(arch=args.arch, channels_last=True),
                    train=TrainConfig(epochs=epochs, batch_size=args.batch, warmup_steps=args.warmup,
-                                     allow_tf32=tf32, repeats=repeats),
+                                     allow_tf32=spec(precision).tf32, repeats=repeats),
                    amp=amp_settings(precision, AmpConfig()), mlflow=MlflowConfig(enabled=False))
 
 
@@ -67,12 +67,12 @@ def main() -> None:
     t0 = time.perf_counter()
     speed_data = data.synthetic_in_memory(args.steps * args.batch, args.batch, seed=0, device=args.device)
     rows = {}
-    for name, precision, accum, tf32 in VARIANTS:
+    for name, precision, accum in VARIANTS:
         reason = unsupported(precision, info["gpu"]) if args.device == "cuda" else None
         if reason:
             print(f"{name}: skipped: {reason}")
             continue
-        result = runner.train_repeats(plan_for(name, precision, accum, tf32, args), speed_data, progress=False)
+        result = runner.train_repeats(plan_for(name, precision, accum, args), speed_data, progress=False)
         rows[name] = result.metrics
         m = result.metrics
         print(f"{name}: {m['imgs_per_s']:,.0f} img/s ({time.perf_counter() - t0:.0f}s elapsed)", flush=True)
@@ -80,7 +80,7 @@ def main() -> None:
     acc_data = data.synthetic_in_memory(args.acc_images, 2048, seed=1, device=args.device)
     accuracy = {}
     for name, precision in (("fp32_strict", "fp32"), ("fp16_amp", "fp16")):
-        plan = plan_for(name, precision, 1, False, args, epochs=args.acc_epochs, repeats=1)
+        plan = plan_for(name, precision, 1, args, epochs=args.acc_epochs, repeats=1)
         accuracy[name] = runner.train(plan, acc_data, progress=False).metrics["final_acc"]
         print(f"accuracy run {name}: {accuracy[name]:.4f}", flush=True)
 

@@ -44,12 +44,9 @@ CHECKS = {
 
 
 def _plan(precision: str, epochs: int = 1, batch: int = 256, **train) -> runplan.RunPlan:
-    variant = {"fp32": ("fp32", False), "tf32": ("fp32", True), "bf16": ("bf16", False), "fp16": ("fp16", False)}
-    prec, tf32 = variant[precision]
     cfg = config.from_dict({"device": "cuda", "model": {"arch": "resnet18"}, "mlflow": {"enabled": False},
-                            "train": {"epochs": epochs, "batch_size": batch, "warmup_steps": 5, "allow_tf32": tf32,
-                                      **train},
-                            "variants": {precision: {"precision": prec, "accum_steps": 1}},
+                            "train": {"epochs": epochs, "batch_size": batch, "warmup_steps": 5, **train},
+                            "variants": {precision: {"precision": precision, "accum_steps": 1}},
                             "profile": {"steps": 5}, "amp": {"audit_batches": 0}})
     return runplan.make_plan(cfg, precision, "cuda")
 

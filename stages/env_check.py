@@ -13,9 +13,44 @@ import argparse
 import json
 from pathlib import Path
 
-from ampbench import config, data, env, models, runplan
-from ampbench.errors import run_cli
+from ampbench import config, data, env, models, precision, runplan
+from ampbench.errors import ConfigError, run_cli
+from ampbench.measure import roofline
 from ampbench.results import atomic_write
+
+SMALL_GEMM = 2048  # below this on every side, fp8's scaling and casts outweigh its faster GEMM (torchao's benchmark)
+
+
+def check_fp8(cfg: config.Config, device: str, image_size: int, num_classes: int) -> tuple[dict | None, list[str]]:
+    """What fp8 converts in this model (counted by forward hooks) and what to warn of; a recipe that cannot run
+    on this device stops here."""
+    fp8 = {n: v for n, v in cfg.variants.items() if precision.spec(v.precision).float8}
+    if not fp8:
+        return None, []
+    for name, v in fp8.items():
+        if device == "cpu" and v.fp8_recipe not in precision.CPU_FP8_RECIPES:
+            raise ConfigError(f"params.yaml: variants.{name}.fp8_recipe = {v.fp8_recipe!r} cannot run on a CPU (its "
+                              "high-precision gradient GEMM fails under CPU bf16 autocast); use "
+                              f"{' or '.join(precision.CPU_FP8_RECIPES)} here, or run on a GPU")
+    model = models.build(cfg.model, num_classes=num_classes, image_size=image_size, device="cpu")
+    found = precision.float8_layers(model, runplan.fp8_recipe(cfg), image_size)
+    warnings = []
+    if not found["called"]:
+        warnings.append(f"fp8 converts no layer of this model ({models.name(cfg.model)}: no Linear layer it calls "
+                        f"has both dimensions multiples of {precision.FP8_MULTIPLE}); it would measure bf16")
+    found["small_gemms"] = bool(found["called"]) and max(found["widest"]) < SMALL_GEMM
+    if found["small_gemms"]:
+        warnings.append(f"fp8 pays off only on large GEMMs: this model's widest fp8 layer is "
+                        f"{found['widest'][0]}x{found['widest'][1]} (torchao's own H100 benchmark: fp8 0.80x bf16 at "
+                        "1024x2048x1024, 1.39x at 4096x8192x16384), so expect fp8 no faster than bf16 here")
+    if not cfg.train.compile:
+        warnings.append("precision fp8 with train.compile: false: torchao's float8 training is fast only under "
+                        "torch.compile (which fuses its scaling and casts); set train.compile: true")
+    if device == "cpu":
+        warnings.append("fp8 on a CPU is emulated (torch._scaled_mm's CPU path; Float8Linear follows CUDA autocast "
+                        "only, so its inputs stay fp32): it shows that fp8 training runs, not what fp8 buys, and it "
+                        "is not the GPU's fp8 tensor-core path")
+    return found, warnings
 
 
 def main() -> None:
@@ -25,6 +60,7 @@ def main() -> None:
     ap.add_argument("--plans", required=True, help="folder for one <variant>.json plan per variant")
     ap.add_argument("--data-source", required=True, help="where to write what the data stage will make")
     ap.add_argument("--model-source", required=True, help="where to write the model's source (the sweep's dep)")
+    ap.add_argument("--roofline", required=True, help="where to write the model's roofline (the report's dep)")
     args = ap.parse_args()
 
     cfg = config.load(args.params)  # every check happens before anything is written
@@ -38,7 +74,10 @@ def main() -> None:
     plans = {name: runplan.make_plan(cfg, name, device, source["factory_source"]) for name in cfg.variants}
     env.check_distributed(cfg.distributed, device, info, {p.grad_comm for p in plans.values() if p.ddp})
     models.check_unused(model, cfg.model, cfg.distributed, any(p.ddp for p in plans.values()))
-    for warning in env.warnings_for(info):
+    size = models.input_size(cfg.model, desc["image_size"])
+    fp8, fp8_warnings = check_fp8(cfg, device, size, desc["num_classes"])
+    for warning in env.warnings_for(info) + precision.notes({v.precision for v in cfg.variants.values()},
+                                                              info["gpu"]) + fp8_warnings:
         print(f"warning: {warning}")
     if cfg.mlflow.enabled:
         uri = config.tracking_uri(cfg.mlflow, Path.cwd())
@@ -54,7 +93,24 @@ def main() -> None:
     print(f"env_check: model {model['model']} ({model['param_count']:,} parameters), data {cfg.data.source}: "
           f"{desc['train_count']:,} train / {desc['test_count']:,} test images, {desc['num_classes']} classes")
 
+    try:
+        counted = roofline.record(cfg, gpu["name"] if gpu else None)
+    except ConfigError as err:  # a model the counter cannot follow still trains; the report says why
+        print(f"warning: {err}")
+        counted = {"error": str(err)}
+    if fp8:
+        counted["fp8"] = fp8
+        print(f"env_check: fp8 ({fp8['recipe']}) runs {len(fp8['called'])} of the model's layers in float8 "
+              f"({fp8['flop_share']:.0%} of its forward FLOPs)" + (f": {', '.join(fp8['called'][:6])}"
+                                                                   + (", ..." if len(fp8['called']) > 6 else "")
+                                                                   if fp8["called"] else ""))
+    if counted.get("gpu"):
+        t = counted["gpu"]["table"]
+        print(f"env_check: roofline on {counted['gpu']['name']} at batch {counted['batch']}: "
+              + ", ".join(f"{p} {r['vs_fp32']:.2f}x fp32" for p, r in t.items() if r and p != "fp32"))
+
     atomic_write(Path(args.env), json.dumps(info, indent=2, sort_keys=True) + "\n")
+    atomic_write(Path(args.roofline), json.dumps(counted, indent=2, sort_keys=True) + "\n")
     atomic_write(Path(args.data_source), json.dumps({"data": config.to_dict(cfg.data), "seed": cfg.seed, **desc},
                                                     indent=2, sort_keys=True) + "\n")
     atomic_write(Path(args.model_source), json.dumps(source, indent=2, sort_keys=True) + "\n")

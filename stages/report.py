@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--summary", required=True)
     ap.add_argument("--figures", required=True)
     ap.add_argument("--curves", required=True, help="per-epoch curves of all variants, for dvc plots")
+    ap.add_argument("--roofline", default="", help="env_check's roofline.json (optional)")
     args = ap.parse_args()
 
     cfg = config.load(args.params)
@@ -33,7 +34,9 @@ def main() -> None:
     summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants), changed,
                            curves_csv=Path(args.curves), target_acc=cfg.train.target_acc,
                            sweep=json.loads(Path(args.sweep).read_text()) if args.sweep and Path(args.sweep).is_file()
-                           else None)
+                           else None,
+                           roofline=json.loads(Path(args.roofline).read_text())
+                           if args.roofline and Path(args.roofline).is_file() else None)
     print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
 
     if cfg.mlflow.enabled:

@@ -108,7 +108,8 @@ def _assert_rejected(tmp_path, monkeypatch, capsys, text: str, words: list[str])
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["env_check.py", "--params", "params.yaml", "--env", "reports/env.json",
                                       "--plans", "reports/plans", "--data-source", "reports/data_source.json",
-                                      "--model-source", "reports/model_source.json"])
+                                      "--model-source", "reports/model_source.json",
+                                      "--roofline", "reports/roofline.json"])
     with pytest.raises(SystemExit) as exit_info:
         run_cli(_stage().main)
     assert exit_info.value.code == 2

@@ -15,8 +15,34 @@ def test_committed_params_are_the_articles_experiment(real_params):
     assert cfg.data.source == "cifar10" and cfg.model.arch == "resnet18"
     assert cfg.train.batch_size == 256 and cfg.amp.init_scale == 8192 and cfg.amp.growth_interval == 2000
     assert {n: (v.precision, v.accum_steps) for n, v in cfg.variants.items()} == {
-        "fp32": ("fp32", 1), "amp": ("fp16", 1), "amp_accum": ("fp16", 4)}
-    assert cfg.train.allow_tf32 is False
+        "fp32": ("fp32", 1), "tf32": ("tf32", 1), "amp": ("fp16", 1), "amp_accum": ("fp16", 4)}
+    assert "allow_tf32" not in real_params["train"]  # TF32 is a precision of its own, set in each plan
+
+
+def test_an_old_allow_tf32_still_loads_with_one_line_saying_what_to_write(capsys):
+    from ampbench import runplan
+    cfg = config.from_dict({"train": {"allow_tf32": False}, "variants": {"fp32": {"precision": "fp32"}}})
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "delete train.allow_tf32" in err and "precision: tf32" in err
+    assert cfg.variants["fp32"].precision == "fp32" and cfg.train.allow_tf32 is False
+    # true meant "my fp32 runs TF32": those variants become tf32, and their plans say so
+    cfg = config.from_dict({"train": {"allow_tf32": True},
+                            "variants": {"base": {"precision": "fp32"}, "amp": {"precision": "fp16"}}})
+    assert "fp32 variants run as tf32" in capsys.readouterr().err
+    assert cfg.variants["base"].precision == "tf32" and cfg.variants["amp"].precision == "fp16"
+    assert runplan.make_plan(cfg, "base", "cpu").train.allow_tf32 is True
+    assert runplan.make_plan(cfg, "amp", "cpu").train.allow_tf32 is False
+
+
+def test_each_plan_sets_tf32_from_its_precision_and_the_other_plans_are_unchanged():
+    """Only the tf32 plan turns TF32 on; fp32 and fp16 plans keep the field they always had (false), so an
+    existing pipeline does not retrain them."""
+    from ampbench import runplan
+    cfg = config.Config()
+    plans = {n: config.to_dict(runplan.make_plan(cfg, n, "cuda")) for n in cfg.variants}
+    assert {n: p["train"]["allow_tf32"] for n, p in plans.items()} == {
+        "fp32": False, "tf32": True, "amp": False, "amp_accum": False}
+    assert runplan.for_precision(cfg, "tf32", "cuda").train.allow_tf32 is True
 
 
 def test_every_field_has_a_default_matching_params_yaml(real_params):
@@ -72,7 +98,6 @@ BAD = [  # (key, value, words the message must contain)
     ("train.momentum", 1.0, ["train.momentum", "< 1"]),
     ("train.weight_decay", -0.1, ["train.weight_decay", ">= 0"]),
     ("train.warmup_steps", True, ["train.warmup_steps", "integer"]),
-    ("train.allow_tf32", 1, ["train.allow_tf32", "true or false"]),
     ("amp.init_scale", 0, ["amp.init_scale", "> 0"]),
     ("amp.growth_factor", 1.0, ["amp.growth_factor", "> 1"]),
     ("amp.backoff_factor", 1.5, ["amp.backoff_factor", "< 1"]),
@@ -81,7 +106,7 @@ BAD = [  # (key, value, words the message must contain)
     ("mlflow.enabled", "no", ["mlflow.enabled", "true or false"]),
     ("variants", {}, ["variants", "non-empty"]),
     ("variants", ["fp32"], ["variants", "mapping"]),
-    ("variants.amp.precision", "fp8", ["variants.amp.precision", "fp32 | fp16 | bf16"]),
+    ("variants.amp.precision", "fp64", ["variants.amp.precision", "fp32 | tf32 | fp16 | bf16"]),
     ("variants.amp_accum.accum_steps", 3, ["accum_steps = 3", "train.batch_size = 256", "divisor"]),
     ("variants.amp.accum_steps", 0, ["variants.amp.accum_steps", ">= 1"]),
     ("train.bogus", 1, ["unknown key 'train.bogus'", "allowed here"]),
@@ -92,7 +117,7 @@ BAD = [  # (key, value, words the message must contain)
     ("sweep.batch_sizes", [8, 0], ["sweep.batch_sizes[1]", ">= 1"]),
     ("sweep.batch_sizes", [8, 8], ["sweep.batch_sizes", "repeats"]),
     ("sweep.batch_sizes", 64, ["sweep.batch_sizes", "not a list"]),
-    ("sweep.precisions", ["fp8"], ["sweep.precisions[0]", "fp32 | fp16 | bf16"]),
+    ("sweep.precisions", ["fp64"], ["sweep.precisions[0]", "fp32 | tf32 | fp16 | bf16"]),
     ("sweep.memory_limit_gib", -1, ["sweep.memory_limit_gib", ">= 0"]),
     ("distributed.nproc_per_node", 0, ["distributed.nproc_per_node", ">= 1"]),
     ("distributed.backend", "mpi", ["distributed.backend", "auto | nccl | gloo"]),

@@ -77,7 +77,8 @@ def _env_check(tmp_path, params: dict | str):
                            "--env", str(tmp_path / "reports" / "env.json"), "--plans",
                            str(tmp_path / "reports" / "plans"), "--data-source",
                            str(tmp_path / "reports" / "data_source.json"), "--model-source",
-                           str(tmp_path / "reports" / "model_source.json")],
+                           str(tmp_path / "reports" / "model_source.json"), "--roofline",
+                           str(tmp_path / "reports" / "roofline.json")],
                           capture_output=True, text=True, timeout=120)
 
 
@@ -91,7 +92,7 @@ def test_env_check_stage_stops_on_a_cpu_with_device_auto(tmp_path, real_params):
 
 @pytest.mark.parametrize(("text", "words"), [
     ("train: {batch_size: -4}\n", "train.batch_size = -4"),
-    ("variants: {amp: {precision: fp8}}\n", "variants.amp.precision = 'fp8'"),
+    ("variants: {amp: {precision: fp64}}\n", "variants.amp.precision = 'fp64'"),
     ("train:\n  epochs: [\n", "broken YAML"),
 ])
 def test_env_check_stage_bad_params_exit_2_one_line_nothing_written(tmp_path, text, words):
@@ -110,7 +111,7 @@ def test_env_check_stage_cpu_writes_env_and_plans(tmp_path, tiny_params):
     assert proc.returncode == 0, proc.stderr
     assert "warning:" in proc.stdout
     plans = sorted(p.name for p in (tmp_path / "reports" / "plans").iterdir())
-    assert plans == ["amp.json", "amp_accum.json", "fp32.json"]
+    assert plans == ["amp.json", "amp_accum.json", "fp32.json", "tf32.json"]
     first = (tmp_path / "reports" / "env.json").read_bytes()
     _env_check(tmp_path, tiny_params)
     assert (tmp_path / "reports" / "env.json").read_bytes() == first

@@ -96,16 +96,18 @@ def test_datasheet_peaks():
     assert flops.datasheet_peak(None, "fp16") is None
     assert flops.memory_bandwidth_gbps("NVIDIA H200") == 4800 and flops.memory_bandwidth_gbps("Tesla T4") == 320
     for _, row in flops.DATASHEET:  # one table, every column in each row; fp16 tensor cores never below tf32
-        assert set(row) == set(flops.COLUMNS)
+        assert set(row) == {"name", "source", *flops.COLUMNS}
         assert row["fp16"] is None or row["fp16"] >= (row["tf32"] or 0)
 
 
 def test_what_a_precision_means_is_said_once():
     from ampbench import config, precision
     assert tuple(precision.SPECS) == config.PRECISIONS  # every precision params.yaml accepts has its spec
-    assert precision.datasheet_column("fp32", allow_tf32=True) == "tf32"
-    assert precision.datasheet_column("fp32", allow_tf32=False) == "fp32"
-    assert precision.datasheet_column("bf16", allow_tf32=True) == "bf16"
+    assert [precision.datasheet_column(p) for p in ("fp32", "tf32", "fp16", "bf16")] == ["fp32", "tf32", "fp16", "bf16"]
+    assert [precision.spec(p).tf32 for p in ("fp32", "tf32", "fp16", "bf16")] == [False, True, False, False]
+    assert precision.notes({"tf32"}, None) and precision.notes({"tf32"}, {"name": "T4", "capability": "7.5"})
+    assert not precision.notes({"tf32"}, {"name": "H200", "capability": "9.0", "tf32_capable": True})
+    assert not precision.notes({"fp32", "fp16"}, None)
     amp = config.AmpConfig(init_scale=1024)
     assert precision.amp_settings("fp16", amp) is amp
     assert precision.amp_settings("bf16", amp) is None and precision.amp_settings("fp32", amp) is None

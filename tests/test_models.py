@@ -179,7 +179,8 @@ def test_env_check_stage_refuses_a_broken_factory(user_models, tiny_params):
     (user_models / "params.yaml").write_text(yaml.safe_dump(tiny_params))
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--params", "params.yaml",
                            "--env", "reports/env.json", "--plans", "reports/plans", "--data-source",
-                           "reports/data_source.json", "--model-source", "reports/model_source.json"],
+                           "reports/data_source.json", "--model-source", "reports/model_source.json",
+                           "--roofline", "reports/roofline.json"],
                           cwd=user_models, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == ["error: params.yaml: model.factory = 'mymodels.nets:not_a_module' "

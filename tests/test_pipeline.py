@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from ampbench import sandbox
 
 pytestmark = pytest.mark.slow
-VARIANTS = ["fp32", "amp", "amp_accum"]
+VARIANTS = ["fp32", "tf32", "amp", "amp_accum"]
 
 
 def _dvc(repo, *args):
@@ -79,7 +79,7 @@ def test_dvc_metrics_plots_and_lock(pipeline):
     shown = _dvc(repo, "metrics", "show", "--json")
     assert shown.returncode == 0 and "speedup" in shown.stdout and "final_acc" in shown.stdout
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert {"env_check", "data", "train@fp32", "train@amp", "train@amp_accum", "report"} <= set(lock["stages"])
+    assert {"env_check", "data", "report", *(f"train@{v}" for v in VARIANTS)} <= set(lock["stages"])
 
 
 def test_mlflow_has_a_run_per_stage(pipeline):
@@ -88,7 +88,7 @@ def test_mlflow_has_a_run_per_stage(pipeline):
     exp = client.get_experiment_by_name("ampbench")
     runs = client.search_runs([exp.experiment_id])
     by_name = {r.info.run_name: r for r in runs}
-    assert set(by_name) == {"train@fp32", "train@amp", "train@amp_accum", "report"}
+    assert set(by_name) == {"train@fp32", "train@tf32", "train@amp", "train@amp_accum", "report"}
     amp = by_name["train@amp"]
     assert amp.data.tags["precision"] == "fp16" and amp.data.tags["variant"] == "amp"
     assert amp.data.params["amp.init_scale"] == "8192.0" and "final_acc" in amp.data.metrics
@@ -133,7 +133,7 @@ def test_mlflow_server_serves_the_runs(pipeline):
         assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in exp["tags"]
         runs = _api(base, "/api/2.0/mlflow/runs/search", {"experiment_ids": [exp["experiment_id"]]})["runs"]
         by_name = {r["info"]["run_name"]: r for r in runs}
-        assert set(by_name) == {"train@fp32", "train@amp", "train@amp_accum", "report"}
+        assert set(by_name) == {"train@fp32", "train@tf32", "train@amp", "train@amp_accum", "report"}
         tags = {name: {t["key"]: t["value"] for t in r["data"]["tags"]} for name, r in by_name.items()}
         assert len({t["ampbench.pipeline"] for t in tags.values()}) == 1  # one pipeline, one shared tag
         metrics = {m["key"] for m in by_name["train@amp"]["data"]["metrics"]}
@@ -164,6 +164,7 @@ def test_editing_the_loss_scale_reruns_only_the_amp_stages(pipeline):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Running stage 'train@amp'" in proc.stdout and "Running stage 'train@amp_accum'" in proc.stdout
     assert "Running stage 'train@fp32'" not in proc.stdout and "Running stage 'data'" not in proc.stdout
+    assert "Running stage 'train@tf32'" not in proc.stdout
     assert (repo / "reports" / "runs" / "fp32" / "metrics.json").read_text() == before
     assert json.loads((repo / "reports" / "runs" / "amp" / "metrics.json").read_text())["final_loss_scale"] == 1024
 
@@ -245,9 +246,9 @@ def test_a_changed_batch_list_measures_only_the_new_sweep_points(pipeline):
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     proc = _dvc(repo, "repro")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "Running stage 'sweep'" in proc.stdout and "2 point(s) measured, 4 reused" in proc.stdout
+    assert "Running stage 'sweep'" in proc.stdout and "3 point(s) measured, 6 reused" in proc.stdout
     assert "Running stage 'train@" not in proc.stdout  # the sweep is not training
     after = {p.name: p.read_bytes() for p in (sweep_dir / "points").iterdir()}
-    assert {n: after[n] for n in before} == before and {"fp32-24.json", "fp16-24.json"} <= set(after)
+    assert {n: after[n] for n in before} == before and {"fp32-24.json", "tf32-24.json", "fp16-24.json"} <= set(after)
     plots = _dvc(repo, "plots", "show", "--json", "sweep_throughput")
     assert plots.returncode == 0 and '"imgs_per_s"' in plots.stdout and '"variant": "fp16"' in plots.stdout

@@ -20,6 +20,7 @@ from tests.conftest import SHRINK
     ("aten::convolution_backward", ["autograd::engine::evaluate_function: ConvolutionBackward0"], "conv/matmul"),
     ("aten::addmm", ["aten::linear"], "conv/matmul"),
     ("aten::mm", [], "conv/matmul"),
+    ("aten::_scaled_mm", ["aten::mm"], "conv/matmul"),  # fp8's GEMM, under torchao's float8 tensor's mm
     ("aten::_scaled_dot_product_flash_attention_for_cpu", [], "conv/matmul"),
     ("aten::native_batch_norm", ["aten::batch_norm"], "normalization"),
     ("aten::native_layer_norm_backward", [], "normalization"),

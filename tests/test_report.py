@@ -50,6 +50,23 @@ def test_summary_ratios(runs, tmp_path):
     assert "figures" not in md or "](fig/throughput.png)" in md
 
 
+def test_every_variant_is_set_against_strict_fp32_and_tf32(runs, tmp_path):
+    _write(runs, "tf32", "tf32", 1, 200.0, 1000, 400, 0.90)
+    s = report.build(runs, ENV, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "tf32", "amp"])
+    assert s["tf32_baseline"] == "tf32" and "vs_tf32" not in s["variants"]["tf32"]
+    assert s["variants"]["amp"]["vs_tf32"] == pytest.approx(2.0) and s["variants"]["fp32"]["vs_tf32"] == pytest.approx(
+        2 / 3)
+    md = (tmp_path / "r.md").read_text()
+    verdict = md.splitlines()[2]
+    assert "tf32 1.50x strict fp32; amp (fp16) 3.00x strict fp32, 2.00x TF32" in verdict
+    assert "on a CPU tf32 is fp32" in verdict
+    assert "| amp | fp16 | 1 | 2,560 (2,327 to 2,844) | 3.00x (3.00 to 3.00) | 2.00x |" in md
+    gpu_env = {**ENV, "gpu": {"name": "NVIDIA H200", "capability": "9.0", "tensor_cores": True,
+                              "bf16_supported": True}}
+    report.build(runs, gpu_env, tmp_path / "g.md", tmp_path / "g.json", tmp_path / "fig", ["fp32", "tf32", "amp"])
+    assert "on a CPU" not in (tmp_path / "g.md").read_text().splitlines()[2]
+
+
 def test_missing_values_are_shown_as_missing(runs, tmp_path):
     m = json.loads((runs / "amp" / "metrics.json").read_text())
     m["peak_mem_bytes"] = None
@@ -81,6 +98,30 @@ def test_speedup_interval_from_repeats(runs, tmp_path):
     assert amp["speedup"] == pytest.approx(3.0) and "repeats (3 vs 3)" in amp["speedup_ci_method"]
     lo, hi = amp["speedup_ci95"]
     assert 2.0 < lo < 3.0 < hi < 4.0
+
+
+ROOFLINE = {"model": "resnet18", "batch": 256, "input_size": 32, "flops": 852.2e9, "bytes": 11.77e9,
+            "conv_flop_share": 0.9999, "closest_default": "tf32", "gpu": None,
+            "article": {"gpu": "RTX 5090", "model": "resnet18", "batch": 256, "fp16_vs_fp32": 1.92}}
+
+
+def test_the_roofline_sits_beside_the_measured_speedups(runs, tmp_path):
+    _write(runs, "tf32", "tf32", 1, 200.0, 1000, 400, 0.90)
+    def bound(step_ms, vs_fp32, share):
+        return {"step_ms": step_ms, "imgs_per_s": 256 / step_ms * 1000, "vs_fp32": vs_fp32, "vs_tf32": vs_fp32 / 4,
+                "memory_bound_share": share}
+    table = {"fp32": bound(50.0, 1.0, 0.1), "tf32": bound(12.5, 4.0, 0.4), "fp16": bound(6.25, 8.0, 0.5), "bf16": None}
+    found = {**ROOFLINE, "gpu": {"name": "A100 80GB SXM", "source": "NVIDIA A100 datasheet", "bandwidth_gbps": 2039,
+                                 "table": table}}
+    gpu_env = {**ENV, "gpu": {"name": "NVIDIA A100-SXM4-80GB", "capability": "8.0", "tensor_cores": True,
+                              "bf16_supported": True}}
+    s = report.build(runs, gpu_env, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "tf32", "amp"],
+                     roofline=found)
+    assert s["roofline"]["measured"]["amp"]["of_roofline"] == pytest.approx(2560 / 40960)
+    md = (tmp_path / "r.md").read_text()
+    assert "| fp16 | 6.25 ms | 40,960 | 8.00x | 2.00x | 50% | amp: 3.00x measured, 6% of the bound's img/s |" in md
+    assert "| bf16 | no bf16 tensor cores |" in md and "closest to tf32" in md
+    assert "gives fp16 1.92x strict fp32" in md and "The article's 3.2x is 1.67x that bound" in md
 
 
 def _every_section_fixture(runs):
@@ -120,7 +161,7 @@ def test_every_section_is_rendered_from_run_folders(runs, tmp_path):
     sweep = _every_section_fixture(runs)
     variants = ["fp32", "amp", "fp32_ddp"]
     s = report.build(runs, ENV, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", variants,
-                     {"train.epochs": 1}, target_acc=0.5, sweep=sweep)
+                     {"train.epochs": 1}, target_acc=0.5, sweep=sweep, roofline=ROOFLINE)
     md = (tmp_path / "r.md").read_text()
     read = results.read_runs(runs)
     for section in sections.SECTIONS:  # every section writes something from these runs
@@ -128,6 +169,7 @@ def test_every_section_is_rendered_from_run_folders(runs, tmp_path):
         assert lines and "\n".join(lines) in md, section.__name__
     headings = [line for line in md.splitlines() if line.startswith("#")]
     assert headings == ["# ampbench report: what FP16 mixed precision bought here", "## Results (measured in this run)",
+                        "## What the datasheet allows: the roofline",
                         "## Why: the step profile", "## Ours beside the article's", "## Memory, meter by meter",
                         "## Batch-size sweep", "## Past one process: data-parallel training (DDP)",
                         "## GPU clock, temperature and energy", "## Numerical safety", "## Figures",

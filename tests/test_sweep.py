@@ -111,7 +111,8 @@ def _prepare(repo, params):
     (repo / "params.yaml").write_text(yaml.safe_dump(params))
     for script, args in (("env_check.py", ["--env", "reports/env.json", "--plans", "reports/plans",
                                            "--data-source", "reports/data_source.json",
-                                           "--model-source", "reports/model_source.json"]),
+                                           "--model-source", "reports/model_source.json",
+                                           "--roofline", "reports/roofline.json"]),
                          ("data.py", ["--out", "data/prepared", "--raw", "data/raw"])):
         proc = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / script), "--params", "params.yaml", *args],
                               cwd=repo, capture_output=True, text=True, timeout=300)

@@ -2,8 +2,11 @@
 
     ampbench demo            # the same DVC pipeline on the CPU, synthetic data, small model; results in demo/
     ampbench demo --nproc-per-node 2   # the same, data-parallel over 2 processes (torchrun, gloo)
+    ampbench demo --arch vit_tiny --ladder   # a transformer at every precision: fp32, tf32, bf16, fp16, fp8
     ampbench mlflow-sync     # log the on-disk runs that are not in MLflow yet (after a tracking outage)
     ampbench mlflow-ui       # the MLflow UI on this repository's store, opened on the runs table
+    ampbench roofline --gpu "RTX 5090"   # what each precision could give there at most, for params.yaml's model
+    ampbench roofline --gpu all          # the same for every GPU in the datasheet table
 """
 
 from __future__ import annotations
@@ -18,11 +21,17 @@ from pathlib import Path
 from ampbench import config, sandbox
 from ampbench.errors import ConfigError, run_cli
 
+LADDER = {"fp32": {"precision": "fp32", "accum_steps": 1}, "tf32": {"precision": "tf32", "accum_steps": 1},
+          "bf16": {"precision": "bf16", "accum_steps": 1}, "amp": {"precision": "fp16", "accum_steps": 1},
+          "fp8": {"precision": "fp8", "accum_steps": 1}}
 
-def demo(dest: Path, arch: str = "", nproc: int = 1) -> None:
+
+def demo(dest: Path, arch: str = "", nproc: int = 1, ladder: bool = False) -> None:
     params = sandbox.demo_params()
     if arch:  # e.g. vit_tiny: the same demo, another model
         params = sandbox.merge(params, {"model": {"arch": arch}})
+    if ladder:  # every precision once: strict fp32, tf32, bf16, fp16, fp8
+        params["variants"] = LADDER
     if nproc > 1:  # DDP, beside one-process runs of the same variants
         params = sandbox.data_parallel(params, nproc)
     config.from_dict(params)  # a bad value in the user's params.yaml is reported before anything runs
@@ -69,6 +78,63 @@ def mlflow_ui(args) -> None:
                         "--port", str(args.port)], check=False)
 
 
+ROOFLINE_NOTE = (
+    "What this is: one training step counted op by op (FLOPs and bytes each op reads and writes, eager kernels, "
+    "no fusion), each op at max(FLOPs / the datasheet peak of the dtype it runs in, bytes / memory bandwidth). A "
+    "ratio here is what switching precision would buy if both precisions ran every kernel at the datasheet's "
+    "peaks. Real kernels run below peak, and unevenly: a measured speedup above the roofline ratio means the "
+    "slower precision ran further below its peak than the faster one.")
+
+
+def _roofline_rows(found: dict, row: dict) -> dict:
+    from ampbench.measure import roofline
+    return roofline.table(found["ops"], row, found["batch"])
+
+
+def roofline_cmd(args) -> None:
+    from ampbench.measure import roofline
+    from ampbench.report import fmt
+    rows = None if args.gpu == "all" else [roofline.find_gpu(args.gpu)]  # a bad name stops before counting
+    cfg = config.load(args.params)
+    found = roofline.for_config(cfg, args.batch or None)
+    s = found["summary"]
+    closest = roofline.closest_default(s["conv_flop_share"])
+    print(f"Roofline of one training step: {found['model']}, batch {found['batch']}, {found['input_size']}x"
+          f"{found['input_size']} inputs, optimizer and loss included (counted on meta tensors in "
+          f"{found['count_s']:.1f} s)\n{s['flops'] / 1e9:,.1f} GFLOP and {s['bytes'] / 1e9:,.2f} GB moved per step "
+          f"in fp32; {s['conv_flop_share']:.0%} of the FLOPs in convolutions, so plain PyTorch (TF32 convolutions, "
+          f"IEEE matmuls) runs this model closest to {closest}.\n")
+    precisions = list(found["ops"])
+    if rows:
+        row = rows[0]
+        table = _roofline_rows(found, row)
+        print(f"{row['name']}: {row['source']}; memory {row['bandwidth_gbps']:,} GB/s\n")
+        print("| precision | roofline step | img/s | vs strict fp32 | vs tf32 | memory-bound share of the step |")
+        print("|---|---|---|---|---|---|")
+        for p in precisions:
+            r = table[p]
+            if r is None:
+                print(f"| {p} | {row['name']} has no {p} tensor cores | | | | |")
+                continue
+            print(f"| {p} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
+                  f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} |")
+    else:
+        from ampbench.measure.flops import DATASHEET
+        print("| GPU | " + " | ".join(f"{p} img/s" for p in precisions) + " | "
+              + " | ".join(f"{p} vs fp32" for p in precisions if p != "fp32") + " | fp16 vs tf32 |")
+        print("|---|" + "---|" * (2 * len(precisions)))
+        for _, row in DATASHEET:
+            t = _roofline_rows(found, row)
+            ips = [f"{t[p]['imgs_per_s']:,.0f}" if t[p] else "n/a" for p in precisions]
+            vs = [fmt.times(t[p]["vs_fp32"]) if t[p] else "n/a" for p in precisions if p != "fp32"]
+            fp16 = t.get("fp16")
+            print(f"| {row['name']} | " + " | ".join(ips) + " | " + " | ".join(vs)
+                  + f" | {fmt.times(fp16['vs_tf32']) if fp16 else 'n/a'} |")
+        print("\nDense rates with FP32 accumulation, from: " + "; ".join(
+            f"{row['name']}: {row['source']}" for _, row in DATASHEET) + ".")
+    print("\n" + ROOFLINE_NOTE)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="ampbench", description="FP32 vs FP16-AMP, measured on your hardware")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -76,6 +142,9 @@ def main() -> None:
     d.add_argument("--dir", default="demo", help="folder for the demo's repository (default: demo)")
     d.add_argument("--arch", default="", help="model.arch for the demo instead of small_cnn, e.g. vit_tiny "
                                               "(fp16 is emulated on a CPU: a transformer takes minutes)")
+    d.add_argument("--ladder", action="store_true",
+                   help="the variants fp32, tf32, bf16, amp (fp16) and fp8 instead of params.yaml's (fp8 converts "
+                        "Linear layers: use it with --arch vit_tiny)")
     d.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                    help="train under torchrun with N processes (gloo), each variant also once in one process "
                         "for the scaling efficiency, and fp32 with fp16 gradient communication")
@@ -87,11 +156,17 @@ def main() -> None:
     u.add_argument("--store", default="", help="an ampbench SQLite store, e.g. demo/mlflow.db (default: params)")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=5000)
+    r = sub.add_parser("roofline", help="what each precision could give at most on a GPU, from its datasheet")
+    r.add_argument("--gpu", required=True, help='a GPU of the datasheet table, e.g. "RTX 5090" or H100 SXM; or all')
+    r.add_argument("--params", default="params.yaml")
+    r.add_argument("--batch", type=int, default=0, help="images per step (default: train.batch_size)")
     args = ap.parse_args()
-    if args.command == "mlflow-ui":
+    if args.command == "roofline":
+        run_cli(lambda: roofline_cmd(args))
+    elif args.command == "mlflow-ui":
         run_cli(lambda: mlflow_ui(args))
     elif args.command == "demo":
-        run_cli(lambda: demo(Path(args.dir), args.arch, args.nproc_per_node))
+        run_cli(lambda: demo(Path(args.dir), args.arch, args.nproc_per_node, args.ladder))
     elif args.command == "mlflow-sync":
         run_cli(lambda: mlflow_sync(args))
 

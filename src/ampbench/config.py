@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,8 @@ import yaml
 
 from ampbench.errors import ConfigError
 
-PRECISIONS = ("fp32", "fp16", "bf16")  # each has its Spec in precision.py
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")  # each has its Spec in precision.py
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float8 training recipes
 DATA_SOURCES = ("cifar10", "cifar100", "folder", "synthetic")  # each is a source in data.SOURCES
 ARCH_NAMES = ("resnet18", "small_cnn", "vit_tiny")  # built in; "tv:<name>" is any torchvision classifier
 
@@ -62,7 +64,7 @@ class TrainConfig:
     momentum: float = _opt(0.9, lo=0, hi=1, hi_open=True)  # SGD momentum
     weight_decay: float = _opt(5e-4, lo=0)    # L2 penalty
     warmup_steps: int = _opt(20, lo=0)        # first optimizer steps, excluded from timing
-    allow_tf32: bool = False                  # let fp32 matmuls/convolutions use TF32 tensor cores
+    allow_tf32: bool = False                  # set in a run plan from its precision (tf32), not in params.yaml
     eval_batch_size: int = _opt(1024, lo=1)   # images per evaluation batch
     augment: bool = True                      # random crop (4-pixel padding) and flip, on the device
     repeats: int = _opt(1, lo=1)              # trainings per variant, seeds seed, seed+1, ...: mean and spread
@@ -113,10 +115,11 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class Variant:
-    precision: str = _opt("fp32", choices=PRECISIONS)  # fp32 | fp16 (autocast + GradScaler) | bf16 (autocast)
+    precision: str = _opt("fp32", choices=PRECISIONS)  # fp32 (strict) | tf32 | fp16 (+ GradScaler) | bf16 | fp8
     accum_steps: int = _opt(1, lo=1)                   # micro-batches per optimizer step
     ddp: bool = True              # false: one process even when distributed.nproc_per_node > 1 (the scaling baseline)
     grad_comm: str = _opt("", choices=("", *GRAD_COMMS))  # "" = distributed.grad_comm
+    fp8_recipe: str = _opt("tensorwise", choices=FP8_RECIPES)  # fp8 only: torchao's scaling recipe
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,8 @@ class MlflowConfig:
 
 
 def _default_variants() -> dict[str, Variant]:
-    return {"fp32": Variant("fp32", 1), "amp": Variant("fp16", 1), "amp_accum": Variant("fp16", 4)}
+    return {"fp32": Variant("fp32", 1), "tf32": Variant("tf32", 1), "amp": Variant("fp16", 1),
+            "amp_accum": Variant("fp16", 4)}
 
 
 @dataclass(frozen=True)
@@ -275,10 +279,36 @@ def tracking_uri(cfg: MlflowConfig, repo_root: Path) -> str:
     return f"sqlite:///{Path(repo_root).resolve() / 'mlflow.db'}"
 
 
+def _migrate(raw: dict) -> dict:
+    """An older params.yaml, brought up to date with one line on stderr per change.
+
+    ``train.allow_tf32`` is gone: TF32 is a precision of its own (a variant's ``precision: tf32``), so strict
+    fp32 and TF32 can be measured side by side. ``allow_tf32: true`` made the fp32 variants TF32: they become
+    ``precision: tf32``.
+    """
+    train = raw.get("train")
+    if not isinstance(train, dict) or "allow_tf32" not in train:
+        return raw
+    raw = {**raw, "train": {k: v for k, v in train.items() if k != "allow_tf32"}}
+    if train["allow_tf32"] is True and isinstance(raw.get("variants"), dict):
+        raw["variants"] = {name: ({**v, "precision": "tf32"} if isinstance(v, dict) and v.get("precision") == "fp32"
+                                  else v) for name, v in raw["variants"].items()}
+        print("params.yaml: train.allow_tf32 is replaced by the precision tf32; its fp32 variants run as tf32. "
+              "Write `precision: tf32` in those variants and delete train.allow_tf32 (a `precision: fp32` variant "
+              "is strict IEEE fp32)", file=sys.stderr)
+    else:
+        print("params.yaml: train.allow_tf32 is replaced by the precision tf32 (fp32 stays strict IEEE fp32); "
+              "delete train.allow_tf32, and add `tf32: {precision: tf32, accum_steps: 1}` to variants to measure "
+              "TF32", file=sys.stderr)
+    return raw
+
+
 def from_dict(raw: Any) -> Config:
     """Validate a parsed params mapping and return the frozen ``Config``."""
     if raw is None:
         raise ConfigError("params.yaml is empty; copy the committed params.yaml and edit it")
+    if isinstance(raw, dict):
+        raw = _migrate(raw)
     cfg = _build(Config, raw, "")
     _cross_check(cfg)
     return cfg

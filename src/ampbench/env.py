@@ -105,6 +105,7 @@ def probe() -> dict:
             "kernels": has_kernels(cap, torch.cuda.get_arch_list()),
             "bf16_supported": torch.cuda.is_bf16_supported(including_emulation=False),
             "tf32_capable": cap >= (8, 0),           # Ampere and later
+            "fp8_supported": cap >= (8, 9),          # fp8 tensor cores: Ada, Hopper, Blackwell
         }
         nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
         info["nccl"] = list(nccl) if isinstance(nccl, tuple) else nccl

@@ -1,10 +1,21 @@
 """Precision: the one place that knows what each precision means.
 
-- fp32: no autocast, no scaler; strict IEEE unless ``train.allow_tf32`` (then its matmuls and convolutions
-  run on TF32 tensor cores, and the datasheet's TF32 column applies).
+- fp32: no autocast, no scaler, strict IEEE fp32 (TF32 off for matmuls and convolutions).
+- tf32: fp32 weights and activations, matmuls and convolutions on TF32 tensor cores (10-bit mantissa): what
+  ``torch.set_float32_matmul_precision("high")`` with cuDNN's default gives. PyTorch's own default is TF32
+  convolutions with IEEE matmuls. On a CPU, or a GPU before Ampere, tf32 is fp32.
 - fp16: ``torch.amp.autocast`` to float16 plus ``torch.amp.GradScaler``, because fp16's narrow range
   (6e-8 .. 65504) lets small gradients underflow to zero.
 - bf16: autocast to bfloat16 with no scaler: bf16 has fp32's exponent range; needs a GPU with native bf16.
+
+- fp8: torchao's float8 training (``convert_to_float8_training``) of the Linear layers whose dimensions allow
+  it (both multiples of 16), with a recipe (tensorwise | rowwise | rowwise_with_gw_hp); the rest in bf16
+  autocast. Needs compute capability 8.9 (Ada, Hopper, Blackwell). On a CPU it runs through
+  ``torch._scaled_mm``'s CPU path, emulated, and ``Float8Linear`` follows CUDA autocast only, so its inputs stay
+  fp32 there: a check that fp8 training runs, not the GPU's dtype path.
+
+In fp16, bf16 and fp8, the ops autocast leaves in fp32 (softmax, norms, losses, the optimizer) run with TF32 off:
+only the tf32 precision turns it on, so each rung of the ladder changes one thing.
 
 Each is a ``Spec`` in ``SPECS``: its autocast dtype, whether it needs a GradScaler, the datasheet column its
 tensor-core work runs at, the GPU capability it needs, and how it prepares a model. The engine asks a
@@ -32,18 +43,74 @@ class Spec:
     datasheet: str                      # the datasheet peak column of its tensor-core work
     capability: str | None = None       # the env.json GPU flag it needs (True there), if any
     capability_fix: str = ""            # what to do on a GPU without it
+    tf32: bool = False                  # fp32 matmuls and convolutions run on TF32 tensor cores
+    float8: bool = False                # its eligible Linear layers train in float8 (torchao)
 
-    def prepare(self, model: nn.Module) -> nn.Module:
-        """The model as this precision trains it (the hook where fp8 would convert its Linear layers)."""
-        return model
+    def prepare(self, model: nn.Module, recipe: str | None = None) -> nn.Module:
+        """The model as this precision trains it: fp8 converts its eligible Linear layers in place."""
+        return convert_float8(model, recipe or "tensorwise") if self.float8 else model
 
 
 SPECS: dict[str, Spec] = {
     "fp32": Spec("fp32", None, False, "fp32"),
+    "tf32": Spec("tf32", None, False, "tf32", tf32=True),
     "fp16": Spec("fp16", torch.float16, True, "fp16"),
     "bf16": Spec("bf16", torch.bfloat16, False, "bf16", capability="bf16_supported",
                  capability_fix="remove that variant or use fp16"),
+    "fp8": Spec("fp8", torch.bfloat16, False, "fp8", capability="fp8_supported",
+                capability_fix="fp8 tensor cores need compute capability 8.9 or later (Ada, Hopper, Blackwell); "
+                               "remove that variant, or use bf16", float8=True),
 }
+FP8_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each fp8 GEMM to be multiples of 16
+CPU_FP8_RECIPES = ("tensorwise", "rowwise")  # rowwise_with_gw_hp's bf16 gradient GEMM fails under CPU autocast
+
+
+def float8_eligible(module: nn.Module, fqn: str = "") -> bool:
+    """A Linear layer float8 training can convert: both of its dimensions multiples of 16."""
+    return isinstance(module, nn.Linear) and module.in_features % FP8_MULTIPLE == 0 \
+        and module.out_features % FP8_MULTIPLE == 0
+
+
+def convert_float8(model: nn.Module, recipe: str) -> nn.Module:
+    """torchao's float8 training on ``model``'s eligible Linear layers, in place, with ``recipe``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                                      module_filter_fn=float8_eligible)
+
+
+def float8_layers(model: nn.Module, recipe: str, image_size: int) -> dict:
+    """What fp8 converts in ``model`` (a copy is converted), counted by forward hooks on the layers a forward
+    pass actually calls (a converted layer whose weight its parent uses directly, as torchvision's attention does
+    with ``out_proj``, is not called and stays in bf16): the layers, their share of the model's forward FLOPs,
+    and the widest of them."""
+    import copy
+
+    from torch.utils.flop_counter import FlopCounterMode
+    x = torch.zeros(2, 3, image_size, image_size)
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        copy.deepcopy(model).train()(x)
+    total = counter.get_total_flops()
+    converted = convert_float8(copy.deepcopy(model), recipe)
+    from torchao.float8.float8_linear import Float8Linear
+    called: dict[str, float] = {}
+    shapes: dict[str, list[int]] = {}
+    handles = []
+    for name, m in converted.named_modules():
+        if isinstance(m, Float8Linear):
+            def hook(mod, inp, out, name=name):
+                rows = inp[0].numel() // mod.in_features
+                called[name] = called.get(name, 0.0) + 2.0 * rows * mod.in_features * mod.out_features
+                shapes[name] = [mod.in_features, mod.out_features]
+            handles.append(m.register_forward_hook(hook))
+    with torch.no_grad():
+        converted.train()(x)
+    for h in handles:
+        h.remove()
+    widest = max(shapes.values(), key=lambda s: s[0] * s[1]) if shapes else None
+    return {"recipe": recipe, "converted": len(handles), "called": sorted(called),
+            "flop_share": sum(called.values()) / total if total else 0.0, "widest": widest}
+
 DTYPES = {name: s.autocast_dtype or torch.float32 for name, s in SPECS.items()}
 
 
@@ -57,10 +124,21 @@ def amp_settings(name: str, amp: AmpConfig) -> AmpConfig | None:
     return amp if SPECS[name].grad_scaler else None
 
 
-def datasheet_column(name: str, allow_tf32: bool) -> str:
-    """Which datasheet peak applies: fp32 runs on TF32 tensor cores when TF32 is allowed."""
-    column = SPECS[name].datasheet
-    return "tf32" if column == "fp32" and allow_tf32 else column
+def datasheet_column(name: str) -> str:
+    """Which datasheet peak column a precision's matmuls and convolutions run at."""
+    return SPECS[name].datasheet
+
+
+def notes(precisions: set[str], gpu: dict | None) -> list[str]:
+    """What a precision cannot show on this machine, said before training (not an error: it still runs)."""
+    if "tf32" not in precisions:
+        return []
+    if gpu is None:
+        return ["tf32 is fp32 on a CPU (no TF32 hardware): the tf32 variant measures the same arithmetic as fp32"]
+    if not gpu.get("tf32_capable"):
+        return [f"{gpu['name']} (compute capability {gpu['capability']}) has no TF32 tensor cores (Ampere and "
+                "later do): the tf32 variant runs strict fp32 there"]
+    return []
 
 
 def unsupported(name: str, gpu: dict | None) -> str | None:
@@ -99,6 +177,11 @@ class PrecisionPolicy:
     precision: str          # a key of SPECS
     device_type: str        # cuda | cpu
     amp: AmpConfig | None   # GradScaler settings, used only by a precision that needs a scaler
+    fp8_recipe: str | None = None  # fp8 only: torchao's recipe
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model as this precision trains it (fp8: its eligible Linear layers converted)."""
+        return self.spec.prepare(model, self.fp8_recipe)
 
     @property
     def spec(self) -> Spec:

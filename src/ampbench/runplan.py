@@ -23,7 +23,7 @@ from ampbench.config import (
     to_dict,
 )
 from ampbench.errors import ConfigError
-from ampbench.precision import amp_settings  # the plan holds GradScaler settings only where the precision uses one
+from ampbench.precision import amp_settings, spec  # GradScaler settings where used; TF32 by precision
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class RunPlan:
     backend: str = "gloo"         # resolved process-group backend: nccl or gloo
     grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
     find_unused_parameters: bool = False  # DDP's find_unused_parameters (only where ddp is true)
+    fp8_recipe: str | None = None  # fp8 only: torchao's float8 recipe (absent from other plans' files)
 
 
 def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") -> RunPlan:
@@ -57,26 +58,40 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") ->
         raise ConfigError(f"variant {variant!r} is not in params.yaml variants; "
                           f"defined: {', '.join(cfg.variants)}")
     v = cfg.variants[variant]
-    train = dataclasses.replace(cfg.train, target_acc=0.0)  # read by the report only: not a reason to retrain
+    # target_acc is read by the report only, not a reason to retrain; TF32 follows the precision
+    train = dataclasses.replace(cfg.train, target_acc=0.0, allow_tf32=spec(v.precision).tf32)
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
                    amp=amp_settings(v.precision, cfg.amp), mlflow=cfg.mlflow, debug=cfg.debug,
                    model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
                    grad_comm=v.grad_comm or cfg.distributed.grad_comm,
-                   find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters)
+                   find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters,
+                   fp8_recipe=v.fp8_recipe if spec(v.precision).float8 else None)
 
 
 def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
     """The plan of a batch-size sweep point's short run: ``precision`` with params.yaml's model, training
     settings and loss scale, in one process, uncompiled (each swept batch size would compile anew)."""
     return RunPlan(variant=f"sweep-{precision}", precision=precision, accum_steps=1, device=device, seed=cfg.seed,
-                   model=cfg.model, train=dataclasses.replace(cfg.train, compile=False),
-                   amp=amp_settings(precision, cfg.amp), mlflow=cfg.mlflow, ddp=False)
+                   model=cfg.model, train=dataclasses.replace(cfg.train, compile=False,
+                                                              allow_tf32=spec(precision).tf32),
+                   amp=amp_settings(precision, cfg.amp), mlflow=cfg.mlflow, ddp=False,
+                   fp8_recipe=fp8_recipe(cfg) if spec(precision).float8 else None)
+
+
+def fp8_recipe(cfg: Config) -> str:
+    """The recipe of the first fp8 variant (the sweep and the roofline use it), else torchao's default."""
+    return next((v.fp8_recipe for v in cfg.variants.values() if spec(v.precision).float8), "tensorwise")
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:
+    """The plan as JSON; ``fp8_recipe`` only in an fp8 plan, so the other plans' files (train-stage deps) stay
+    as they were before fp8 existed and their stages do not rerun."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(to_dict(plan), indent=2, sort_keys=True) + "\n")
+    d = to_dict(plan)
+    if d["fp8_recipe"] is None:
+        del d["fp8_recipe"]
+    path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
 def read_plan(path: str | Path) -> RunPlan:
@@ -91,4 +106,5 @@ def read_plan(path: str | Path) -> RunPlan:
         mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})),
         profile=ProfileConfig(**raw.get("profile", {})),
         model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
-        grad_comm=raw.get("grad_comm", "none"), find_unused_parameters=raw.get("find_unused_parameters", False))
+        grad_comm=raw.get("grad_comm", "none"), find_unused_parameters=raw.get("find_unused_parameters", False),
+        fp8_recipe=raw.get("fp8_recipe"))

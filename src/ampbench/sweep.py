@@ -57,7 +57,7 @@ def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerpri
     source (a user's factory; torchvision's version for a tv: model) and this code (``code_digest``)."""
     parts = {"precision": precision, "batch": batch, "steps": cfg.sweep.steps, "seed": cfg.seed,
              "model": to_dict(cfg.model), "amp": to_dict(cfg.amp), "augment": cfg.train.augment,
-             "allow_tf32": cfg.train.allow_tf32, "limit": cfg.sweep.memory_limit_gib, "data": meta,
+             "limit": cfg.sweep.memory_limit_gib, "data": meta,
              "env": env_fingerprint, "model_source": model_source, "code": code}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 

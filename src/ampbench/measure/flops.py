@@ -20,38 +20,40 @@ from torch.utils.flop_counter import FlopCounterMode
 COLUMNS = ("fp32", "tf32", "fp16", "bf16", "fp8", "bandwidth_gbps")
 
 
-def _row(fp32, tf32, fp16, fp8, bandwidth_gbps, bf16="fp16") -> dict:
-    return {"fp32": fp32, "tf32": tf32, "fp16": fp16, "bf16": fp16 if bf16 == "fp16" else bf16, "fp8": fp8,
-            "bandwidth_gbps": bandwidth_gbps}
+def _row(name, source, fp32, tf32, fp16, fp8, bandwidth_gbps, bf16="fp16") -> dict:
+    return {"name": name, "source": source, "fp32": fp32, "tf32": tf32, "fp16": fp16,
+            "bf16": fp16 if bf16 == "fp16" else bf16, "fp8": fp8, "bandwidth_gbps": bandwidth_gbps}
 
 
-# name pattern (first match wins: the specific before the general) -> dense TFLOP/s and GB/s
+_HOPPER = "NVIDIA H100 Tensor Core GPU datasheet"
+_H200 = "NVIDIA H200 Tensor Core GPU datasheet"
+_A100 = "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: 2,039 GB/s; 40GB: 1,555 GB/s)"
+_BLACKWELL = "NVIDIA RTX Blackwell GPU architecture whitepaper (FP32-accumulate tensor rates)"
+_ADA = "NVIDIA Ada GPU architecture whitepaper (FP32-accumulate tensor rates)"
+_AMPERE = "NVIDIA Ampere GA102 GPU architecture whitepaper (FP32-accumulate tensor rates)"
+
+# name pattern (first match wins: the specific before the general) -> name, cited source, dense TFLOP/s, GB/s
 DATASHEET = [
-    # NVIDIA B200 (HGX B200 / DGX B200 datasheet, per GPU: 600 TF FP32, 18 PF TF32*, 36 PF FP16*, 72 PF FP8* for 8)
-    (r"\bB200\b", _row(75.0, 1125.0, 2250.0, 4500.0, 8000)),
-    # NVIDIA H200 NVL and H200 SXM (H200 Tensor Core GPU datasheet)
-    (r"H200 NVL", _row(60.0, 417.5, 835.5, 1670.5, 4800)),
-    (r"H200", _row(67.0, 494.7, 989.4, 1978.9, 4800)),
-    # NVIDIA H100 NVL, SXM5 and PCIe (H100 Tensor Core GPU datasheet)
-    (r"H100 NVL", _row(60.0, 417.5, 835.5, 1670.5, 3900)),
-    (r"H100.*(SXM|HBM3)", _row(67.0, 494.7, 989.4, 1978.9, 3350)),
-    (r"H100", _row(51.2, 378.0, 756.0, 1513.0, 2000)),  # PCIe
-    # NVIDIA A100 (A100 Tensor Core GPU datasheet; 80GB SXM: 2,039 GB/s, 40GB: 1,555 GB/s)
-    (r"A100 80GB PCIe", _row(19.5, 156.0, 312.0, None, 1935)),
-    (r"A100.*80GB", _row(19.5, 156.0, 312.0, None, 2039)),
-    (r"A100", _row(19.5, 156.0, 312.0, None, 1555)),
-    # NVIDIA L40S, L4 (L40S and L4 Tensor Core GPU datasheets); A40, A10 (A40 and A10 datasheets)
-    (r"L40S", _row(91.6, 183.0, 362.05, 733.0, 864)),
-    (r"\bL4\b", _row(30.3, 60.0, 121.0, 242.5, 300)),
-    (r"\bA40\b", _row(37.4, 74.8, 149.7, None, 696)),
-    (r"\bA10\b", _row(31.2, 62.5, 125.0, None, 600)),
-    # NVIDIA V100, T4 (V100 and T4 datasheets: mixed-precision FP16 tensor cores, no TF32 or BF16)
-    (r"V100", _row(15.7, None, 125.0, None, 900, bf16=None)),
-    (r"\bT4\b", _row(8.1, None, 65.0, None, 320, bf16=None)),
-    # GeForce (NVIDIA RTX Blackwell, Ada and Ampere GA102 architecture whitepapers, FP32-accumulate rates)
-    (r"RTX 5090", _row(104.8, 104.8, 209.5, 419.0, 1792)),
-    (r"RTX 4090", _row(82.6, 82.6, 165.2, 330.3, 1008)),
-    (r"RTX 3090(?! Ti)", _row(35.6, 35.6, 71.0, None, 936)),
+    (r"\bB200\b", _row("B200", "NVIDIA HGX B200 datasheet, per GPU (600 TF FP32, 18 PF TF32*, 36 PF FP16*, "
+                        "72 PF FP8* for 8)", 75.0, 1125.0, 2250.0, 4500.0, 8000)),
+    (r"H200 NVL", _row("H200 NVL", _H200, 60.0, 417.5, 835.5, 1670.5, 4800)),
+    (r"H200", _row("H200", _H200 + " (SXM)", 67.0, 494.7, 989.4, 1978.9, 4800)),
+    (r"H100 NVL", _row("H100 NVL", _HOPPER, 60.0, 417.5, 835.5, 1670.5, 3900)),
+    (r"H100.*(SXM|HBM3)", _row("H100 SXM", _HOPPER + " (SXM5)", 67.0, 494.7, 989.4, 1978.9, 3350)),
+    (r"H100", _row("H100 PCIe", _HOPPER + " (PCIe)", 51.2, 378.0, 756.0, 1513.0, 2000)),
+    (r"A100 80GB PCIe", _row("A100 80GB PCIe", _A100, 19.5, 156.0, 312.0, None, 1935)),
+    (r"A100.*80GB", _row("A100 80GB SXM", _A100, 19.5, 156.0, 312.0, None, 2039)),
+    (r"A100", _row("A100 40GB", _A100, 19.5, 156.0, 312.0, None, 1555)),
+    (r"L40S", _row("L40S", "NVIDIA L40S datasheet", 91.6, 183.0, 362.05, 733.0, 864)),
+    (r"\bL4\b", _row("L4", "NVIDIA L4 Tensor Core GPU datasheet", 30.3, 60.0, 121.0, 242.5, 300)),
+    (r"\bA40\b", _row("A40", "NVIDIA A40 datasheet", 37.4, 74.8, 149.7, None, 696)),
+    (r"\bA10\b", _row("A10", "NVIDIA A10 datasheet", 31.2, 62.5, 125.0, None, 600)),
+    # mixed-precision FP16 tensor cores, no TF32 or BF16
+    (r"V100", _row("V100", "NVIDIA V100 Tensor Core GPU datasheet", 15.7, None, 125.0, None, 900, bf16=None)),
+    (r"\bT4\b", _row("T4", "NVIDIA T4 datasheet", 8.1, None, 65.0, None, 320, bf16=None)),
+    (r"RTX 5090", _row("RTX 5090", _BLACKWELL, 104.8, 104.8, 209.5, 419.0, 1792)),
+    (r"RTX 4090", _row("RTX 4090", _ADA, 82.6, 82.6, 165.2, 330.3, 1008)),
+    (r"RTX 3090(?! Ti)", _row("RTX 3090", _AMPERE, 35.6, 35.6, 71.0, None, 936)),
 ]
 
 

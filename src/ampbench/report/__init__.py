@@ -2,7 +2,8 @@
 
     build(runs_dir, env, report_md, summary_json, fig_dir, variants, ...)
 
-It reads only ``reports/runs/*/``, ``reports/env.json`` and the sweep's ``sweep.json``, never MLflow, so it
+It reads only ``reports/runs/*/``, ``reports/env.json``, the sweep's ``sweep.json`` and env_check's
+``roofline.json``, never MLflow, so it
 works offline, and it imports no training code, so editing the training loop does not rerun it. The parts:
 ``summary`` (the numbers, no prose), ``sections`` (report.md, one function per section, in one ordered list),
 ``verdict`` (the first paragraph), ``scale`` (the sweep's and data-parallel sections), ``figures`` and ``fmt``
@@ -24,7 +25,7 @@ CURVE_COLUMNS = ["variant", "epoch", "eval_acc", "train_loss", "eval_loss"]
 
 def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_dir: Path,
           variants: list[str], changed_params: dict | None = None, curves_csv: Path | None = None,
-          target_acc: float = 0.0, sweep: dict | None = None) -> dict:
+          target_acc: float = 0.0, sweep: dict | None = None, roofline: dict | None = None) -> dict:
     """Write report.md, summary.json and figures from the runs on disk; return the summary.
 
     Only ``variants`` (those in params.yaml, in its order) are reported: a folder
@@ -34,7 +35,7 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
     runs = {name: found[name] for name in variants if name in found}
     if not runs:
         raise DataError(f"no finished runs under {runs_dir}; run the train stages first (dvc repro)")
-    summary = summarize(runs, target_acc, sweep)
+    summary = summarize(runs, target_acc, sweep, roofline)
     summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
     summary["params_changed"] = dict(sorted((changed_params or {}).items()))
     drawn = figures.draw(summary, runs, fig_dir)

@@ -37,7 +37,9 @@ def pct(v: float | None) -> str:
 
 def ms(v: float | None) -> str:
     """A time in milliseconds to three figures: 0.398 ms; n/a when there is none."""
-    return "n/a" if v is None else f"{v:.3g} ms"
+    if v is None:
+        return "n/a"
+    return f"{v:,.0f} ms" if v >= 1000 else f"{v:.3g} ms"
 
 
 def points(diff: float | None) -> str:

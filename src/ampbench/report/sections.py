@@ -78,13 +78,14 @@ def results(summary: dict, env: dict, runs: dict) -> list[str]:
     """The results table, what is missing, how to read it, the interval's method, and time to accuracy."""
     base = summary["baseline"]
     lines = ["## Results (measured in this run)", "",
-             "| variant | precision | accumulation | img/s (p10 to p90 step) | speedup vs fp32 (95% CI) "
+             "| variant | precision | accumulation | img/s (p10 to p90 step) | speedup vs fp32 (95% CI) | vs tf32 "
              "| peak memory | memory vs fp32 | activations | activations vs fp32 | TFLOP/s | time per epoch "
              "| final accuracy | accuracy vs fp32 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in summary["variants"].items():
+        vs_tf32 = fmt.times(r["vs_tf32"]) if r.get("vs_tf32") is not None else "n/a"
         lines.append(
-            f"| {name} | {r['precision']} | {r['accum_steps']} | {_imgs_per_s(r)} | {_speedup(r)} "
+            f"| {name} | {r['precision']} | {r['accum_steps']} | {_imgs_per_s(r)} | {_speedup(r)} | {vs_tf32} "
             f"| {fmt.size(r['peak_mem_bytes'])} | {fmt.change(r.get('mem_ratio'))} | {fmt.size(r['activation_bytes'])} "
             f"| {fmt.change(r.get('activation_ratio'))} | {_tflops(r)} | {fmt.num(r['epoch_time_s'], '.1f')} s "
             f"| {_accuracy(r)} | {fmt.points(r.get('acc_diff'))} |")
@@ -101,7 +102,9 @@ def results(summary: dict, env: dict, runs: dict) -> list[str]:
         + ("CUDA peak allocated over the steady-state training steps (evaluation apart)" if env.get("gpu")
            else "the process's peak RSS (on a CPU it mostly counts the process and data, not the model)")
         + "; activations are the bytes autograd saves for backward in one forward pass of one micro-batch. "
-        + (f"Ratios are against `{base}`." if base else "No fp32 variant ran, so there are no ratios."), ""]
+        + (f"Ratios are against `{base}` (strict IEEE fp32)" if base else "No fp32 variant ran, so there are no ratios")
+        + (f"; vs tf32 against `{summary['tf32_baseline']}` (TF32 matmuls and convolutions: PyTorch's default "
+           "for convolutions)." if summary.get("tf32_baseline") else "."), ""]
     methods = sorted({r["speedup_ci_method"] for r in summary["variants"].values() if r.get("speedup_ci_method")})
     if methods:
         caveat = (" A bootstrap over the step times of one process says nothing about process-to-process "
@@ -180,10 +183,82 @@ def article(summary: dict, env: dict, runs: dict) -> list[str]:
     for name, r in summary["variants"].items():
         if name != summary["baseline"]:
             lines.append(f"| {name}, this run | {_speedup(r)} | {fmt.change(r.get('mem_ratio'))} |")
-    lines += ["", f"The article's own table ({ARTICLE['hardware']}; quoted, not measured here):", "",
+    lines += [""] + _article_roofline(summary.get("roofline"))
+    lines += [f"The article's own table ({ARTICLE['hardware']}; quoted, not measured here):", "",
               "| precision | memory | img/s | time per epoch |", "|---|---|---|---|"]
     lines += [f"| {r['precision']} | {r['memory']} | {r['imgs_per_s']} | {r['epoch']} |" for r in ARTICLE["rows"]]
     return lines + ["", f"The article's claim: {ARTICLE['speedup']} faster, {ARTICLE['memory_change']} memory.", ""]
+
+
+def _article_roofline(found: dict | None) -> list[str]:
+    a = (found or {}).get("article")
+    if not a:
+        return []
+    r, claimed = a["fp16_vs_fp32"], float(ARTICLE["speedup"].rstrip("x"))
+    return [f"On the article's {a['gpu']}, the roofline of ResNet-18 at batch {a['batch']} (counted here, op by op, at "
+            f"that card's datasheet peaks) gives fp16 {fmt.times(r)} strict fp32: a GeForce card runs fp16 with fp32 "
+            "accumulation at twice its fp32 rate, and fp16 halves the bytes each op moves. The article's "
+            f"{ARTICLE['speedup']} is {claimed / r:.2f}x that bound, so its FP32 run reached {r / claimed:.0%} of the "
+            "share of its peak its FP16 run reached: its baseline was slow (eager overhead, the input pipeline, or a "
+            "setting that held fp32 back), which a precision cannot be credited with.", ""]
+
+
+def _fp8_lines(fp8: dict | None) -> list[str]:
+    if not fp8:
+        return []
+    if not fp8["called"]:
+        return ["", "fp8 converts no layer of this model (no Linear layer it calls has both dimensions multiples of "
+                "16), so its fp8 variants measure bf16."]
+    w = fp8["widest"]
+    text = (f"fp8 ({fp8['recipe']}) runs {len(fp8['called'])} Linear layers in float8, {fp8['flop_share']:.0%} of "
+            "the model's forward FLOPs (counted by forward hooks on the layers a forward pass calls); the rest stays "
+            "bf16.")
+    if fp8.get("small_gemms"):
+        text += (f" Its widest fp8 layer is {w[0]}x{w[1]}: fp8 pays off only on large GEMMs (torchao's own H100 "
+                 "benchmark: 0.80x bf16 at 1024x2048x1024, 1.39x at 4096x8192x16384), so expect it no faster than "
+                 "bf16 here.")
+    return ["", text]
+
+
+def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
+    """What the datasheet allows each precision for this model, beside what was measured."""
+    found = summary.get("roofline")
+    if not found:
+        return []
+    lines = ["## What the datasheet allows: the roofline", ""]
+    if found.get("error"):
+        return lines + [f"Not counted: {found['error']}.", ""]
+    lines.append(
+        f"One training step of {found['model']} at batch {found['batch']} is {found['flops'] / 1e9:,.1f} GFLOP and "
+        f"moves {found['bytes'] / 1e9:,.2f} GB in fp32 (counted op by op on meta tensors). "
+        f"{found['conv_flop_share']:.0%} of its FLOPs are convolutions, so plain PyTorch (TF32 convolutions, IEEE "
+        f"matmuls) trains it closest to {'tf32' if found['closest_default'] == 'tf32' else 'strict fp32'}: that "
+        "column is what a user of plain PyTorch starts from.")
+    lines += _fp8_lines(found.get("fp8"))
+    gpu = found.get("gpu")
+    if not gpu:
+        where = f"{env['gpu']['name']} is not in the datasheet table" if env.get("gpu") else "this ran on a CPU"
+        return lines + ["", f"There is no bound to set beside the measurements: {where}. `ampbench roofline --gpu "
+                        "all` gives each precision's bound on every GPU of the table.", ""]
+    by_precision: dict[str, list[str]] = {}
+    for name, m in found["measured"].items():
+        by_precision.setdefault(m["precision"], []).append(
+            f"{name}: {fmt.times(m['speedup'])} measured, {m['of_roofline']:.0%} of the bound's img/s")
+    lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", "",
+              "| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share "
+              "| measured |",
+              "|---|---|---|---|---|---|---|"]
+    for precision, r in gpu["table"].items():
+        if r is None:
+            lines.append(f"| {precision} | no {precision} tensor cores | | | | | |")
+            continue
+        lines.append(f"| {precision} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
+                     f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} "
+                     f"| {'; '.join(by_precision.get(precision, [])) or 'not run'} |")
+    return lines + ["", "A roofline ratio is what switching precision would buy if both precisions ran every kernel "
+                    "at the datasheet's peaks (eager kernels, no fusion). Real kernels run below peak, and unevenly: "
+                    "a measured speedup above the roofline ratio means the slower precision ran further below its "
+                    "peak.", ""]
 
 
 def memory(summary: dict, env: dict, runs: dict) -> list[str]:
@@ -262,6 +337,14 @@ def safety(summary: dict, env: dict, runs: dict) -> list[str]:
                   + ", ".join(f"`{n}`: {r['accum_steps']} micro-batches per step" for n, r in accum)
                   + "), so accumulated steps are not identical to full-batch steps; a difference in loss or "
                   "accuracy against the unaccumulated variant can come from this, not from fp16.", ""]
+    fp8 = [(n, r) for n, r in summary["variants"].items() if r["precision"] == "fp8"]
+    if fp8:
+        lines += ["fp8 has no loss scale: before each fp8 GEMM torchao scales the tensor to fp8's range (e4m3 up to "
+                  "448, e5m2 for gradients in the tensorwise recipe) from its current absolute maximum ("
+                  + ", ".join(f"`{n}`: {r.get('fp8_recipe')} scaling, {fmt.num(r.get('fp8_layers'), 'd')} Linear "
+                              "layers converted" for n, r in fp8)
+                  + "); the rest of the model runs under bf16 autocast. The fp16 audit below does not apply to it.",
+                  ""]
     for name, run in runs.items():
         if run.get("numerics"):
             lines += _audit(name, run)
@@ -303,12 +386,11 @@ def environment(summary: dict, env: dict, runs: dict) -> list[str]:
     else:
         hw = f"no GPU: CPU {env.get('cpu_model')}, {env.get('cpu_count')} cores (fp16 is emulated on a CPU)"
     first = _first(runs)
-    strict = (first.get("tf32") or {}).get("matmul_fp32_precision") == "ieee"
     defaults = env.get("tf32_defaults")
     lines = ["## Environment", "", f"- Hardware: {hw}",
              f"- Software: torch {env.get('torch')}, CUDA runtime {env.get('cuda_runtime')}, "
              f"cuDNN {env.get('cudnn')}, Python {env.get('python')}",
-             f"- FP32 baseline: {'strict IEEE fp32 (TF32 off)' if strict else 'TF32 allowed (allow_tf32: true)'}"
+             f"- {_tf32_line(runs)}"
              + (f"; torch's defaults here: matmul {defaults['matmul_fp32_precision']}, cuDNN convolutions "
                 f"{defaults['cudnn_conv_fp32_precision']}" if defaults else ""),
              f"- {model_line(first)}, batch {first.get('batch_size')}, {first.get('epochs')} epochs, "
@@ -321,6 +403,18 @@ def environment(summary: dict, env: dict, runs: dict) -> list[str]:
     else:
         lines.append("- Params: the defaults")
     return lines + [""]
+
+
+def _tf32_line(runs: dict[str, dict]) -> str:
+    """What each variant's fp32 matmuls and convolutions ran in (in autocast variants: the ops it leaves fp32)."""
+    groups: dict[str, list[str]] = {}
+    for name, r in runs.items():
+        flags = r["metrics"].get("tf32") or {}
+        key = (f"matmul {flags.get('matmul_fp32_precision', '?')}, convolutions "
+               f"{flags.get('cudnn_conv_fp32_precision', '?')}")
+        groups.setdefault(key, []).append(name)
+    return ("fp32 math (in fp16 and bf16 variants: the ops autocast leaves in fp32): "
+            + "; ".join(f"{', '.join(names)}: {key}" for key, names in groups.items()))
 
 
 def _processes(runs: dict[str, dict]) -> str:
@@ -340,8 +434,8 @@ def reproduce(summary: dict, env: dict, runs: dict) -> list[str]:
 
 
 # The report, in order: a new section is a function above and its name here.
-SECTIONS = (header, results, profile, article, memory, sweep, scaling, gpu_state, safety, figures, environment,
-            reproduce)
+SECTIONS = (header, results, roofline, profile, article, memory, sweep, scaling, gpu_state, safety, figures,
+            environment, reproduce)
 
 
 def render(summary: dict, env: dict, runs: dict[str, dict]) -> str:

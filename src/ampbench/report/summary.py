@@ -19,7 +19,7 @@ COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_tim
           "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision", "world_size", "backend",
           "grad_comm", "imgs_per_s_per_process", "peak_window", "eval_peak_mem_bytes", "first_step_peak_mem_bytes",
           "gpu_sm_clock_mhz_median", "gpu_temperature_c_median", "gpu_power_w_median", "energy_per_image_j",
-          "started_at")
+          "started_at", "fp8_recipe", "fp8_layers")
 CLOCK_TOLERANCE = 0.05  # a variant whose median SM clock differs more from the baseline's ran on another GPU state
 
 
@@ -37,6 +37,13 @@ def pick_baseline(runs: dict[str, dict]) -> str | None:
     if "fp32" in candidates:
         return "fp32"
     return candidates[0] if candidates else None
+
+
+def pick_tf32(runs: dict[str, dict]) -> str | None:
+    """The tf32, no-accumulation run every variant is also set against (PyTorch's default for convolutions)."""
+    candidates = [n for n, r in runs.items()
+                  if r["metrics"]["precision"] == "tf32" and r["metrics"]["accum_steps"] == 1]
+    return "tf32" if "tf32" in candidates else (candidates[0] if candidates else None)
 
 
 def speedup_with_ci(base: dict, run: dict) -> dict:
@@ -116,8 +123,9 @@ def headline(summary: dict) -> str | None:
     return next((n for n, r in rows.items() if n != summary["baseline"] and r.get("speedup") is not None), None)
 
 
-def _variant(name: str, run: dict, base: dict | None, target_acc: float) -> dict:
-    """One variant's row: its own figures, and its ratios against the baseline run ``base``."""
+def _variant(name: str, run: dict, base: dict | None, target_acc: float, tf32: dict | None = None) -> dict:
+    """One variant's row: its own figures, its ratios against the baseline run ``base``, and its speedup
+    against the tf32 run ``tf32`` (None for that run itself)."""
     m = run["metrics"]
     row = {key: m.get(key) for key in COPIED}
     row.update(repeats=m.get("repeats", 1), status=m.get("status", "complete"),
@@ -137,15 +145,20 @@ def _variant(name: str, run: dict, base: dict | None, target_acc: float) -> dict
         row["sm_clock_ratio"] = ratio(row["gpu_sm_clock_mhz_median"], bm.get("gpu_sm_clock_mhz_median"))
         row["clock_differs"] = row["sm_clock_ratio"] is not None and abs(row["sm_clock_ratio"] - 1) > CLOCK_TOLERANCE
         row["energy_ratio"] = ratio(row["energy_per_image_j"], bm.get("energy_per_image_j"))
+    if tf32 is not None and tf32 is not run:
+        row["vs_tf32"] = ratio(row["imgs_per_s"], tf32["metrics"].get("imgs_per_s"))
     return row
 
 
-def summarize(runs: dict[str, dict], target_acc: float = 0.0, sweep_json: dict | None = None) -> dict:
+def summarize(runs: dict[str, dict], target_acc: float = 0.0, sweep_json: dict | None = None,
+              roofline_json: dict | None = None) -> dict:
     """Every number the report shows: per-variant rows and ratios, the profile comparison, sweep, scaling."""
-    base = pick_baseline(runs)
-    out = {"baseline": base, "variants": {}, "target_acc": target_acc or None, "profile_comparison": {}}
+    base, tf32 = pick_baseline(runs), pick_tf32(runs)
+    out = {"baseline": base, "tf32_baseline": tf32, "variants": {}, "target_acc": target_acc or None,
+           "profile_comparison": {}}
     for name, run in runs.items():
-        out["variants"][name] = _variant(name, run, runs[base] if base else None, target_acc)
+        out["variants"][name] = _variant(name, run, runs[base] if base else None, target_acc,
+                                         runs[tf32] if tf32 else None)
         if base and name != base:
             bm, m = runs[base]["metrics"], run["metrics"]
             cmp = compare(bm, m, ratio(m.get("peak_tflops_datasheet"), bm.get("peak_tflops_datasheet")))
@@ -156,6 +169,24 @@ def summarize(runs: dict[str, dict], target_acc: float = 0.0, sweep_json: dict |
                               key=lambda n: out["variants"][n]["started_at"])
     out["sweep"] = sweep(sweep_json)
     out["scaling"] = scaling(runs)
+    out["roofline"] = roofline(roofline_json, out["variants"])
+    return out
+
+
+def roofline(found: dict | None, rows: dict[str, dict]) -> dict | None:
+    """env_check's roofline, with each one-process variant's measured img/s against its precision's roofline
+    img/s on this GPU (the share of the datasheet's bound it reached)."""
+    if not found:
+        return None
+    out = dict(found)
+    table = (found.get("gpu") or {}).get("table") or {}
+    out["measured"] = {}
+    for name, r in rows.items():
+        bound = table.get(r["precision"])
+        if bound and r["accum_steps"] == 1 and (r.get("world_size") or 1) == 1 and r.get("imgs_per_s"):
+            out["measured"][name] = {"precision": r["precision"], "speedup": r.get("speedup"),
+                                     "roofline_vs_fp32": bound["vs_fp32"],
+                                     "of_roofline": r["imgs_per_s"] / bound["imgs_per_s"]}
     return out
 
 

@@ -19,8 +19,6 @@ def _reasons(r: dict, base: dict, env: dict) -> list[str]:
         out.append("this ran on a CPU, which has no fp16 tensor cores: fp16 arithmetic is emulated there")
     elif not gpu.get("tensor_cores"):
         out.append(f"{gpu['name']} has no tensor cores")
-    if gpu and (base.get("peak_precision") == "tf32"):
-        out.append("the FP32 baseline ran with TF32 tensor cores (allow_tf32: true), so it was already fast")
     if (r.get("data_time_fraction") or 0) > 0.3:
         out.append(f"data loading took {r['data_time_fraction']:.0%} of each step")
     if gpu and (r.get("step_time_ms_median") or 1e9) < 5:
@@ -139,6 +137,28 @@ def scaling_sentence(s: dict | None) -> str:
     return f" Data-parallel over {world} processes ({backend}): {'; '.join(parts)}."
 
 
+def ladder_sentence(summary: dict, env: dict) -> str:
+    """Every variant against strict fp32 and against tf32: "fp16: 2.1x strict fp32, 1.3x TF32"."""
+    tf32, base = summary.get("tf32_baseline"), summary.get("baseline")
+    if not tf32 or not base:
+        return ""
+    parts = []
+    for name, r in summary["variants"].items():
+        if name == base or r.get("speedup") is None:
+            continue
+        against = f", {fmt.times(r['vs_tf32'])} TF32" if r.get("vs_tf32") is not None else ""
+        label = name if name == r["precision"] else f"{name} ({r['precision']})"
+        parts.append(f"{label} {fmt.times(r['speedup'])} strict fp32{against}")
+    if not parts:
+        return ""
+    text = (f" Against each rung of the ladder: {'; '.join(parts)} (TF32 convolutions are PyTorch's default, so "
+            "the TF32 ratio is what switching from a plain PyTorch run buys")
+    if not env.get("gpu"):
+        text += "; on a CPU tf32 is fp32, the same arithmetic, so its ratio to fp32 is run-to-run difference"
+    return text + ")."
+
+
 def paragraph(summary: dict, env: dict) -> str:
     """The whole first paragraph."""
-    return verdict(summary, env) + sweep_sentence(summary.get("sweep")) + scaling_sentence(summary.get("scaling"))
+    return (verdict(summary, env) + ladder_sentence(summary, env) + sweep_sentence(summary.get("sweep"))
+            + scaling_sentence(summary.get("scaling")))

@@ -50,7 +50,8 @@ _PATTERNS = [
     ("communication", r"^(gloo|nccl|mpi):|^nccl(dev)?kernel|^allreduce|^allgather|^reducescatter|^broadcast$"
                       r"|^barrier$|^recordparamcomms"),
     ("loss scaling", r"^amp"),  # _amp_foreach_non_finite_check_and_unscale_, _amp_update_scale_
-    (TENSOR_CORE, r"conv|addmm|^mm$|^mmbackward|bmm|matmul|^linear|scaleddotproduct|attention|^einsum"),
+    # aten::_scaled_mm is fp8's GEMM (torchao's float8 training)
+    (TENSOR_CORE, r"conv|addmm|^mm$|^mmbackward|bmm|matmul|^linear|scaleddotproduct|attention|^einsum|^scaledmm"),
     ("normalization", r"batchnorm|layernorm|groupnorm|instancenorm|rmsnorm"),
     ("softmax/reductions", r"softmax|^sum|^mean|nllloss|crossentropy|^norm$|^max$|^min$|argmax|^var|^std|logsumexp"
                            r"|^amax|^amin|^prod|cumsum"),
@@ -61,7 +62,8 @@ _PATTERNS = [
                                 r"|^masked|^mse|^flip|^roll|^stack|^clone|^contiguous|^erf"),
 ]
 _COMPILED = [(cat, re.compile(p)) for cat, p in _PATTERNS]
-_DTYPES = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16"}  # double: Python scalars
+_DTYPES = {"float": "fp32", "c10::Half": "fp16", "c10::BFloat16": "bf16", "c10::Float8_e4m3fn": "fp8 e4m3",
+           "c10::Float8_e5m2": "fp8 e5m2"}  # double: Python scalars
 
 
 def _normal(name: str) -> str:

@@ -74,9 +74,9 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     set_tf32(plan.train.allow_tf32)
-    policy = PrecisionPolicy(plan.precision, device.type, plan.amp)
+    policy = PrecisionPolicy(plan.precision, device.type, plan.amp, plan.fp8_recipe)
     input_size = models.input_size(plan.model, meta["image_shape"][-1])
-    model = policy.spec.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
+    model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
     opt = optimizer(plan, model.parameters())
     return Setup(plan=plan, policy=policy, model=model, opt=opt, scaler=policy.scaler(),

@@ -1,0 +1,386 @@
+"""The roofline: one training step's work op by op, and the least time a GPU's datasheet allows for it.
+
+``count(model, x, y, precision, optimizer)`` runs one training step (forward, loss, backward, optimizer step) on
+meta tensors, which hold shapes and dtypes but no data, so a ResNet-18 step at batch 256 costs milliseconds on
+any CPU. A ``TorchDispatchMode`` sees every aten op below autograd and records its FLOPs (torch's own
+``flop_counter`` formulas: convolutions, matmuls, attention) and the bytes it reads and writes (each tensor
+argument and result once, views free).
+
+Autocast does nothing to meta tensors, and CUDA autocast is off on a machine without CUDA, so the counter plays
+CUDA autocast itself: in the forward pass an op on CUDA autocast's lower-precision list (``LOWER``, from
+``ATen/autocast_mode.h``) gets its fp32 inputs cast to fp16/bf16, an op on its fp32 list (``FP32``) gets its
+low-precision inputs cast to fp32, and the casts are counted as ops of their own (a weight is cast once per
+step, as autocast's cache does). In the backward pass the lower-precision ops read the casts the forward made.
+fp16 adds GradScaler's unscale pass over the gradients. fp8 converts the model as training does (torchao's
+float8 Linear layers: their GEMMs run on float8 tensors), and its scaling is counted as ``torch.compile`` fuses it
+(an amax pass and a cast pass per tensor; torchao's fp8 is only fast compiled), everything else as eager.
+
+``step_time(ops, row, precision)``: each op takes max(FLOPs / the peak of the dtype it runs in, bytes /
+memory bandwidth); their sum is the step's roofline time. Eager kernels, no fusion (``torch.compile`` fuses
+elementwise ops and moves fewer bytes); every kernel at its datasheet peak, which real kernels do not reach.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+from ampbench.errors import ConfigError
+from ampbench.measure.flops import DATASHEET
+
+aten = torch.ops.aten
+
+# CUDA autocast's op lists (ATen/autocast_mode.h, AT_FORALL_LOWER_PRECISION_FP and AT_FORALL_FP32 /
+# AT_FORALL_FP32_SET_OPT_DTYPE), as names; tests compare them with the installed torch's header.
+LOWER = frozenset((
+    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "convolution", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv",
+    "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
+    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention", "scaled_dot_product_attention"))
+FP32 = frozenset((
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
+    "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "rms_norm", "group_norm",
+    "frobenius_norm", "nuclear_norm", "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss",
+    "nll_loss", "nll_loss2d", "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "mse_loss", "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
+    "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
+    "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+    "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    # AT_FORALL_FP32_SET_OPT_DTYPE: run in fp32 through their dtype argument
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum"))
+# What those ops are called below autograd, where the counter sees them (a Python-level op decomposes).
+_BELOW_AUTOGRAD = {"_softmax": "softmax", "_log_softmax": "log_softmax", "nll_loss_forward": "nll_loss",
+                   "nll_loss2d_forward": "nll_loss2d", "native_group_norm": "group_norm",
+                   "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+                   "_scaled_dot_product_efficient_attention": "_scaled_dot_product_flash_attention",
+                   "_fused_rms_norm": "rms_norm"}
+_BACKWARD_LOWER = frozenset(("convolution_backward", "mm", "bmm", "addmm", "baddbmm", "mv"))
+
+LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: the rest in bf16
+CATEGORIES = ("conv", "matmul", "attention", "memory-bound ops")
+
+
+@dataclass
+class Op:
+    name: str          # the aten op, or "cast" / "unscale (GradScaler)"
+    dtype: str         # the dtype its math runs in: float32, float16, bfloat16, float8
+    flops: float
+    bytes: float
+    phase: str         # forward | backward | optimizer
+
+    @property
+    def category(self) -> str:
+        if not self.flops:
+            return "memory-bound ops"
+        if "conv" in self.name:
+            return "conv"
+        return "attention" if "attention" in self.name else "matmul"
+
+
+def _float8_data(t: torch.Tensor) -> torch.Tensor | None:
+    """The fp8 payload of a torchao float8 training tensor (a subclass whose dtype says its original one)."""
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and data.dtype.itemsize == 1 and data.is_floating_point() else None
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """The memory a tensor spans (an expanded tensor reads its storage once; a float8 tensor its fp8 bytes)."""
+    data = _float8_data(t)
+    if data is not None:
+        t = data
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True) if stride)
+    return min(span, t.numel()) * t.element_size()
+
+
+_NO_TRAFFIC = frozenset(("_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "detach",
+                         "_record_function_enter_new", "_record_function_exit", "lift_fresh"))
+
+
+def _is_view(func) -> bool:
+    """A view, or an op that moves no data (its result aliases its input, or is allocated and left unwritten)."""
+    return func._overloadpacket.__name__ in _NO_TRAFFIC or any(
+        r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+class StepCounter(TorchDispatchMode):
+    """Records every op of one training step as an ``Op``, playing CUDA autocast to ``low`` (None: fp32)."""
+
+    def __init__(self, low: torch.dtype | None, fuse_float8: bool = False):
+        super().__init__()
+        self.low, self.phase, self.ops, self.fuse_float8 = low, "forward", [], fuse_float8
+        self._casts: dict[tuple, torch.Tensor] = {}  # autocast's per-step cache: (tensor, dtype) -> the cast
+        self._keep: list[torch.Tensor] = []           # keeps cached tensors alive, so their ids are not reused
+
+    def _cast(self, t, dtype: torch.dtype):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
+            return t
+        if type(t) not in (torch.Tensor, torch.nn.Parameter):  # a float8 tensor: already in its own dtype
+            return t
+        key = (id(t), dtype)
+        if key not in self._casts:
+            out = t.to(dtype)  # inside the handler the mode is off: the cast is recorded here
+            self.ops.append(Op("cast", str(t.dtype).removeprefix("torch."), 0.0, float(_bytes(t) + _bytes(out)),
+                               self.phase))
+            self._casts[key] = out
+            self._keep.append(t)
+        return self._casts[key]
+
+    def _policy(self, name: str) -> torch.dtype | None:
+        if self.low is None:
+            return None
+        name = _BELOW_AUTOGRAD.get(name, name)
+        if self.phase == "forward":
+            return self.low if name in LOWER else torch.float32 if name in FP32 else None
+        return self.low if self.phase == "backward" and name in _BACKWARD_LOWER else None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._overloadpacket.__name__
+        target = self._policy(name)
+        if target is not None:
+            args, kwargs = tree_map(lambda t: self._cast(t, target), (args, kwargs))
+        try:
+            out = func(*args, **kwargs)
+        except Exception as err:
+            why = str(err).split(". ")[0]
+            raise ConfigError(f"the roofline cannot count this model: op {func} fails on meta tensors ({why}); "
+                              "the model needs data-dependent shapes or values, which a roofline cannot "
+                              "count") from None
+        if _is_view(func):
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        moved = sum(_bytes(t) for t in tensors) + sum(_bytes(t) for t in outs)
+        counter = flop_registry.get(func._overloadpacket)
+        flops = float(counter(*args, **kwargs, out_val=out)) if counter else 0.0
+        if self.fuse_float8 and not flops and _from_torchao():
+            moved = _fused_float8_bytes(name, tensors, outs)
+            name = "fp8 scaling and cast"
+        floating = [t for t in tensors if t.is_floating_point()]
+        fp8 = [d for d in map(_float8_data, floating) if d is not None]
+        dtype = fp8[0].dtype if fp8 else floating[0].dtype if floating else (outs[0].dtype if outs else torch.float32)
+        op_name = "cast" if name == "_to_copy" else name
+        if name == "fp8 scaling and cast" and not moved:
+            return out
+        self.ops.append(Op(op_name, str(dtype).removeprefix("torch."), flops, float(moved), self.phase))
+        return out
+
+
+def _from_torchao() -> bool:
+    """Whether the op being dispatched was called from torchao's float8 code (its scaling and casts)."""
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return False
+        if "torchao" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _fused_float8_bytes(name: str, tensors: list, outs: list) -> float:
+    """fp8's scaling as torch.compile fuses it: an amax pass reads the tensor, the cast reads it and writes fp8;
+    the elementwise steps between (abs, clamp, the scale's arithmetic) fuse into those two and move nothing."""
+    if outs and outs[0].dtype.itemsize == 1 and outs[0].is_floating_point():
+        return float(sum(_bytes(t) for t in tensors[:1]) + sum(_bytes(t) for t in outs))
+    if name in ("amax", "max", "aminmax"):
+        return float(sum(_bytes(t) for t in tensors[:1]))
+    return 0.0
+
+
+def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
+          make_optimizer, fp8_recipe: str | None = None) -> list[Op]:
+    """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors.
+
+    ``model`` is prepared as the precision trains it (fp8: torchao converts its eligible Linear layers, whose
+    GEMMs then run on float8 tensors) and moved to the meta device (pass a copy); ``make_optimizer(params)``
+    builds the optimizer the training uses. One step first, so the optimizer's state exists (the counted step is
+    a steady one).
+    """
+    from ampbench.precision import spec
+
+    model = spec(precision).prepare(model, fp8_recipe).to("meta")
+    x, y = x.to("meta"), y.to("meta")
+    opt = make_optimizer(model.parameters())
+    low = LOW_DTYPES.get(precision) if spec(precision).autocast_dtype is not None else None
+    if spec(precision).float8:  # under CUDA autocast, a Float8Linear first casts its input to autocast's dtype
+        from torchao.float8.float8_linear import Float8Linear
+        for m in model.modules():
+            if isinstance(m, Float8Linear):
+                m.register_forward_pre_hook(lambda mod, args: (args[0].to(low), *args[1:]))
+
+    def step(counter: StepCounter | None):
+        opt.zero_grad(set_to_none=True)
+        if counter:
+            counter.phase = "forward"
+        loss = F.cross_entropy(model(x), y)
+        if counter:
+            counter.phase = "backward"
+        loss.backward()
+        if counter:
+            counter.phase = "optimizer"
+            if spec(precision).grad_scaler:  # GradScaler's unscale_: read and write every gradient once
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                before = len(counter.ops)
+                torch._foreach_mul_(grads, 1.0)
+                for op in counter.ops[before:]:
+                    op.name = "unscale (GradScaler)"
+        opt.step()
+
+    fuse = spec(precision).float8
+    with StepCounter(low, fuse):  # the optimizer's state made; counted too, so an op that cannot be is named
+        step(None)
+    with StepCounter(low, fuse) as counter:
+        step(counter)
+    return counter.ops
+
+
+# --- the datasheet side ------------------------------------------------------------------------------------
+
+def gpu_names() -> list[str]:
+    return [row["name"] for _, row in DATASHEET]
+
+
+def find_gpu(name: str) -> dict:
+    """The datasheet row of a GPU named as in the table (case and spaces ignored), or a ConfigError with the
+    close matches."""
+    def norm(s: str) -> str:
+        return "".join(s.lower().split())
+    rows = {norm(row["name"]): row for _, row in DATASHEET}
+    if norm(name) in rows:
+        return rows[norm(name)]
+    close = difflib.get_close_matches(name, gpu_names(), n=4, cutoff=0.3) or \
+        [n for n in gpu_names() if norm(name)[:3] in norm(n)]
+    hint = f"close: {', '.join(close)}" if close else f"the table has: {', '.join(gpu_names())}"
+    raise ConfigError(f"--gpu {name!r} is not in the datasheet table; {hint} (or --gpu all)")
+
+
+def _rate(op: Op, precision: str, row: dict) -> float | None:
+    """The peak (FLOP/s) an op's math runs at on ``row``'s GPU; None when that GPU cannot run its dtype."""
+    from ampbench.precision import spec
+    column = {"float16": "fp16", "bfloat16": "bf16"}.get(op.dtype)
+    if op.dtype.startswith("float8"):
+        column = "fp8"
+    if column is None:  # fp32 math: TF32 tensor cores only in the tf32 precision
+        column = "tf32" if spec(precision).tf32 and row.get("tf32") else "fp32"
+    peak = row.get(column)
+    return peak * 1e12 if peak else None
+
+
+def step_time(ops: list[Op], row: dict, precision: str) -> dict | None:
+    """The roofline step time of ``ops`` on ``row``'s GPU, with its memory-bound share and its time by
+    category; None when the GPU has no rate for a dtype the step runs in (bf16 before Ampere)."""
+    bandwidth = row["bandwidth_gbps"] * 1e9
+    total = memory_bound = 0.0
+    by_category = dict.fromkeys(CATEGORIES, 0.0)
+    for op in ops:
+        mem_s = op.bytes / bandwidth
+        if op.flops:
+            rate = _rate(op, precision, row)
+            if rate is None:
+                return None
+            compute_s = op.flops / rate
+        else:
+            compute_s = 0.0
+        t = max(compute_s, mem_s)
+        total += t
+        by_category[op.category] += t
+        if mem_s >= compute_s:
+            memory_bound += t
+    return {"step_s": total, "memory_bound_share": memory_bound / total if total else 0.0,
+            "by_category_s": by_category}
+
+
+def summarize_ops(ops: list[Op]) -> dict:
+    """FLOPs and bytes of a step, total and by category, and the conv share of the FLOPs."""
+    flops = sum(op.flops for op in ops)
+    conv = sum(op.flops for op in ops if op.category == "conv")
+    by_cat = {c: {"flops": sum(o.flops for o in ops if o.category == c),
+                  "bytes": sum(o.bytes for o in ops if o.category == c)} for c in CATEGORIES}
+    return {"flops": flops, "bytes": sum(op.bytes for op in ops), "conv_flop_share": conv / flops if flops else 0.0,
+            "by_category": by_cat}
+
+
+def table(counted: dict[str, list[Op]], row: dict, batch: int) -> dict[str, dict]:
+    """Per precision on one GPU: roofline step time, img/s, the ratio to strict fp32 and to tf32."""
+    from ampbench.precision import spec
+    out = {}
+    for precision, ops in counted.items():
+        # a GPU without fp8 tensor cores cannot run the fp8 precision at all, even for a model it converts nothing of
+        t = None if spec(precision).float8 and not row.get("fp8") else step_time(ops, row, precision)
+        out[precision] = {"step_ms": t["step_s"] * 1e3, "imgs_per_s": batch / t["step_s"],
+                          "memory_bound_share": t["memory_bound_share"]} if t else None
+    for ref in ("fp32", "tf32"):
+        base = out.get(ref)
+        for r in out.values():
+            if r is not None:
+                r[f"vs_{ref}"] = base["step_ms"] / r["step_ms"] if base else None
+    return out
+
+
+def for_config(cfg, batch: int | None = None, precisions: tuple[str, ...] | None = None) -> dict:
+    """Count one training step of params.yaml's model and optimizer at ``batch`` (train.batch_size) for each
+    precision: ``{"ops": {precision: [Op]}, "summary": summarize_ops of fp32, "model": name, ...}``."""
+    import copy
+    import time
+
+    from ampbench import config, data, models, runplan
+    from ampbench.train.setup import optimizer
+
+    precisions = precisions or config.PRECISIONS
+    batch = batch or cfg.train.batch_size
+    desc = data.describe(cfg.data)
+    size = models.input_size(cfg.model, desc["image_size"])
+    model = models.build(cfg.model, num_classes=desc["num_classes"], image_size=size, device="cpu")
+    plan = runplan.for_precision(cfg, "fp32", "cpu")
+    x = torch.empty(batch, 3, size, size, device="meta")
+    y = torch.empty(batch, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    recipe = runplan.fp8_recipe(cfg)
+    ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: optimizer(plan, params), recipe)
+           for p in precisions}
+    return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
+            "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}
+
+
+def closest_default(conv_flop_share: float) -> str:
+    """Which rung a plain PyTorch run of this model is closest to: TF32 convolutions, IEEE fp32 matmuls."""
+    return "tf32" if conv_flop_share >= 0.5 else "fp32"
+
+
+ARTICLE_GPU = "RTX 5090"  # the article's card; its model, ResNet-18 (CIFAR stem), at its batch of 256
+
+
+def record(cfg, gpu_name: str | None) -> dict:
+    """What env_check writes as roofline.json for the report: the model's step counted per precision, its table
+    on this GPU (when the datasheet has it), and the article's ResNet-18 at batch 256 on an RTX 5090."""
+    from ampbench import config
+    from ampbench.measure.flops import datasheet_row
+
+    found = for_config(cfg)
+    s = found["summary"]
+    out = {"model": found["model"], "batch": found["batch"], "input_size": found["input_size"],
+           "flops": s["flops"], "bytes": s["bytes"], "conv_flop_share": s["conv_flop_share"],
+           "closest_default": closest_default(s["conv_flop_share"]), "gpu": None}
+    row = datasheet_row(gpu_name)
+    if row:
+        out["gpu"] = {"name": row["name"], "source": row["source"], "bandwidth_gbps": row["bandwidth_gbps"],
+                      "table": table(found["ops"], row, found["batch"])}
+    article = config.from_dict({"model": {"arch": "resnet18"}, "data": {"source": "synthetic"},
+                                "train": {"batch_size": 256}})
+    same = (cfg.model.arch, cfg.model.factory, found["batch"], found["input_size"]) == ("resnet18", "", 256, 32)
+    ops = found["ops"] if same else for_config(article, 256, ("fp32", "fp16"))["ops"]
+    ratio = table({p: ops[p] for p in ("fp32", "fp16")}, find_gpu(ARTICLE_GPU), 256)["fp16"]["vs_fp32"]
+    out["article"] = {"gpu": ARTICLE_GPU, "model": "resnet18", "batch": 256, "fp16_vs_fp32": ratio}
+    return out

@@ -1,0 +1,139 @@
+"""fp8 (torchao float8 training): conversion, a training step on a CPU, what env_check says and refuses."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from torch import nn
+
+from ampbench import config, models, precision, runplan
+from ampbench.errors import EnvironmentMismatch
+from ampbench.sandbox import REPO_ROOT
+from ampbench.train import setup
+from tests.test_env import CU130, _fake_gpu
+
+
+def test_a_float8_training_step_runs_on_a_cpu_and_updates_the_converted_layers():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))  # 64 -> 10: not a multiple of 16
+    policy = precision.PrecisionPolicy("fp8", "cpu", None, "tensorwise")
+    model = policy.prepare(model)
+    converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
+    assert converted == ["0"]
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+    with policy.autocast():
+        loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss) and not policy.uses_scaler
+    after = model.state_dict()
+    assert not torch.equal(before["0.weight"], after["0.weight"]) and not torch.equal(before["2.weight"],
+                                                                                       after["2.weight"])
+    assert set(after) == set(before)  # a checkpoint of the converted model has the plain model's keys
+
+
+def test_fp8_counts_the_layers_a_forward_calls_not_the_modules_it_converts():
+    """torchvision's attention calls out_proj's weight directly: in vit_tiny only the MLP Linears run in fp8."""
+    vit = models.build(config.ModelConfig(arch="vit_tiny"), num_classes=10, image_size=32, device="cpu")
+    found = precision.float8_layers(vit, "tensorwise", 32)
+    assert found["converted"] == 18  # 6 blocks x (out_proj, mlp.0, mlp.3)
+    assert len(found["called"]) == 12 and all(".mlp." in n for n in found["called"])
+    assert found["widest"] == [192, 768] and 0.3 < found["flop_share"] < 0.9
+    resnet = models.build(config.ModelConfig(arch="resnet18"), num_classes=10, image_size=32, device="cpu")
+    assert precision.float8_layers(resnet, "tensorwise", 32)["called"] == []  # its 512 -> 10 head does not qualify
+
+
+def test_the_fp8_plan_carries_its_recipe_and_the_others_do_not_change(tmp_path):
+    cfg = config.from_dict({"variants": {"fp32": {"precision": "fp32"},
+                                         "fp8": {"precision": "fp8", "fp8_recipe": "rowwise"}}})
+    fp8, fp32 = runplan.make_plan(cfg, "fp8", "cpu"), runplan.make_plan(cfg, "fp32", "cpu")
+    assert fp8.fp8_recipe == "rowwise" and fp32.fp8_recipe is None
+    runplan.write_plan(fp32, tmp_path / "fp32.json")
+    runplan.write_plan(fp8, tmp_path / "fp8.json")
+    assert "fp8_recipe" not in (tmp_path / "fp32.json").read_text()  # a plan file as before fp8 existed
+    assert runplan.read_plan(tmp_path / "fp8.json") == fp8 and runplan.read_plan(tmp_path / "fp32.json") == fp32
+    s = setup.build(fp8, {"num_classes": 10, "image_shape": [3, 32, 32]}, torch.device("cpu"))
+    assert s.policy.fp8_recipe == "rowwise"
+
+
+@pytest.mark.parametrize(("name", "cap", "refused"), [("NVIDIA A100-SXM4-80GB", (8, 0), True),
+                                                     ("NVIDIA GeForce RTX 4090", (8, 9), False),
+                                                     ("NVIDIA H200", (9, 0), False)])
+def test_fp8_on_a_gpu_before_compute_capability_8_9_is_refused(monkeypatch, name, cap, refused):
+    info = _fake_gpu(monkeypatch, name, cap, CU130)
+    from ampbench import env
+    if not refused:
+        assert env.resolve_device("auto", info, {"fp32", "fp8"}) == "cuda"
+        return
+    with pytest.raises(EnvironmentMismatch) as err:
+        env.resolve_device("auto", info, {"fp32", "fp8"})
+    msg = str(err.value)
+    assert name in msg and "compute capability 8.0" in msg and "8.9 or later" in msg and "\n" not in msg
+
+
+def _env_check(tmp_path, params: dict) -> subprocess.CompletedProcess:
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = tmp_path / "reports"
+    return subprocess.run([sys.executable, "stages/env_check.py", "--params", str(tmp_path / "params.yaml"),
+                           "--env", str(r / "env.json"), "--plans", str(r / "plans"), "--data-source",
+                           str(r / "data_source.json"), "--model-source", str(r / "model_source.json"),
+                           "--roofline", str(r / "roofline.json")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+
+
+def test_env_check_says_what_fp8_converts_and_warns_where_it_cannot_pay(tmp_path):
+    base = {"device": "cpu", "data": {"source": "synthetic"}, "mlflow": {"enabled": False},
+            "variants": {"fp32": {"precision": "fp32"}, "fp8": {"precision": "fp8"}}}
+    out = _env_check(tmp_path, {**base, "model": {"arch": "vit_tiny"}})
+    assert out.returncode == 0, out.stderr
+    assert "fp8 (tensorwise) runs 12 of the model's layers in float8" in out.stdout
+    assert "fp8 pays off only on large GEMMs: this model's widest fp8 layer is 192x768" in out.stdout
+    assert "train.compile: false" in out.stdout and "fp8 on a CPU is emulated" in out.stdout
+    out = _env_check(tmp_path, {**base, "model": {"arch": "small_cnn"}})
+    assert out.returncode == 0 and "fp8 converts no layer of this model" in out.stdout
+    assert "it would measure bf16" in out.stdout
+    bad = _env_check(tmp_path, {**base, "variants": {"fp8": {"precision": "fp8", "fp8_recipe": "rowwise_with_gw_hp"}}})
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert "variants.fp8.fp8_recipe = 'rowwise_with_gw_hp' cannot run on a CPU" in bad.stderr
+
+
+@pytest.mark.slow
+def test_the_whole_ladder_runs_through_dvc_repro_on_vit_tiny(tmp_path):
+    """fp32, tf32, bf16, fp16 and fp8 variants of vit_tiny through the real pipeline: every stage, the profile's
+    fp8 GEMMs in conv/matmul, the sweep for every precision, and the report's tf32 and fp8 lines."""
+    from ampbench import sandbox
+    from tests.conftest import SHRINK
+    params = sandbox.merge(copy.deepcopy(yaml.safe_load((REPO_ROOT / "params.yaml").read_text())), SHRINK)
+    params = sandbox.merge(params, {
+        "data": {"train_size": 32, "test_size": 32}, "model": {"arch": "vit_tiny", "input_size": 16},
+        "train": {"batch_size": 16, "warmup_steps": 1, "eval_batch_size": 32},
+        "amp": {"audit_batches": 1}, "profile": {"steps": 1}, "sweep": {"batch_sizes": [8], "steps": 1},
+        "mlflow": {"enabled": False}})
+    params["variants"] = {"fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"},
+                          "bf16": {"precision": "bf16"}, "amp": {"precision": "fp16"},
+                          "fp8": {"precision": "fp8", "fp8_recipe": "tensorwise"}}
+    repo = sandbox.create(tmp_path / "repo", params)
+    proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=sandbox.env_with_venv(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "fp8 (tensorwise) runs 12 of the model's layers in float8" in proc.stdout
+    import json
+    r = repo / "reports"
+    fp8 = json.loads((r / "runs" / "fp8" / "metrics.json").read_text())
+    assert fp8["precision"] == "fp8" and fp8["fp8_layers"] == 18 and fp8["fp8_recipe"] == "tensorwise"
+    assert "fp8" in fp8["profile"]["categories"]["conv/matmul"]["dtypes"]  # aten::_scaled_mm, not "other"
+    assert json.loads((r / "runs" / "tf32" / "metrics.json").read_text())["tf32"]["matmul_fp32_precision"] == "tf32"
+    sweep = json.loads((r / "sweep" / "sweep.json").read_text())
+    assert {p["variant"] for p in sweep["points"]} == {"fp32", "tf32", "bf16", "fp16", "fp8"}
+    md = (r / "report.md").read_text()
+    assert "Against each rung of the ladder:" in md and "; fp8 " in md.split("## ")[0]
+    assert "| fp8 | fp8 | 1 |" in md and "on a CPU tf32 is fp32" in md
+    assert "fp8 has no loss scale" in md and "fp8 (tensorwise) runs 12 Linear layers in float8" in md
+    assert "fp16 numerics audit of `amp`" in md
