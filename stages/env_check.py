@@ -32,7 +32,7 @@ def check_fp8(cfg: config.Config, device: str, image_size: int, num_classes: int
             raise ConfigError(f"params.yaml: variants.{name}.fp8_recipe = {v.fp8_recipe!r} cannot run on a CPU (its "
                               "high-precision gradient GEMM fails under CPU bf16 autocast); use "
                               f"{' or '.join(precision.CPU_FP8_RECIPES)} here, or run on a GPU")
-    model = models.build(cfg.model, num_classes=num_classes, image_size=image_size, device="cpu")
+    model = models.build(cfg.model, num_classes=num_classes, image_size=image_size, device="meta")
     found = precision.float8_layers(model, runplan.fp8_recipe(cfg), image_size)
     warnings = []
     if not found["called"]:
@@ -95,7 +95,7 @@ def main() -> None:
 
     try:
         counted = roofline.record(cfg, gpu["name"] if gpu else None)
-    except ConfigError as err:  # a model the counter cannot follow still trains; the report says why
+    except (ConfigError, ImportError) as err:  # a model the counter cannot follow still trains; the report says why
         print(f"warning: {err}")
         counted = {"error": str(err)}
     if fp8:

@@ -25,13 +25,15 @@ def test_an_old_allow_tf32_still_loads_with_one_line_saying_what_to_write(capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "delete train.allow_tf32" in err and "precision: tf32" in err
     assert cfg.variants["fp32"].precision == "fp32" and cfg.train.allow_tf32 is False
-    # true meant "my fp32 runs TF32": those variants become tf32, and their plans say so
+    # true meant "my fp32 runs TF32": a tf32 variant runs beside the fp32 one, which stays the strict baseline
     cfg = config.from_dict({"train": {"allow_tf32": True},
                             "variants": {"base": {"precision": "fp32"}, "amp": {"precision": "fp16"}}})
-    assert "fp32 variants run as tf32" in capsys.readouterr().err
-    assert cfg.variants["base"].precision == "tf32" and cfg.variants["amp"].precision == "fp16"
-    assert runplan.make_plan(cfg, "base", "cpu").train.allow_tf32 is True
-    assert runplan.make_plan(cfg, "amp", "cpu").train.allow_tf32 is False
+    assert "a tf32 variant now runs beside the fp32 ones" in capsys.readouterr().err
+    assert {n: v.precision for n, v in cfg.variants.items()} == {"base": "fp32", "amp": "fp16", "tf32": "tf32"}
+    assert runplan.make_plan(cfg, "tf32", "cpu").train.allow_tf32 is True
+    assert runplan.make_plan(cfg, "base", "cpu").train.allow_tf32 is False
+    with pytest.raises(ConfigError, match="train.allow_tf32 = 'yes' is not true or false"):
+        config.from_dict({"train": {"allow_tf32": "yes"}})
 
 
 def test_each_plan_sets_tf32_from_its_precision_and_the_other_plans_are_unchanged():

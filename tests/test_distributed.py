@@ -210,6 +210,32 @@ def test_find_unused_parameters_lets_ddp_train_a_model_with_a_parameter_the_loss
     assert ranks[0]["False"] is True and ranks[1]["False"] is True  # without it DDP stops at the second step
 
 
+def _fp8_worker(rank: int, port: int, folder: str) -> None:
+    world = _join(rank, port)
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "vit_tiny", "input_size": 16},
+                            "mlflow": {"enabled": False}, "train": {"epochs": 1, "batch_size": 16, "warmup_steps": 0},
+                            "variants": {"fp8": {"precision": "fp8", "fp8_recipe": "rowwise"}},
+                            "distributed": {"nproc_per_node": WORLD}})
+    trainer = Trainer(runplan.make_plan(cfg, "fp8", "cpu"), data.load_prepared(Path(folder) / "prepared", "cpu"),
+                      progress=False, world=world)
+    batches = trainer.train_batches.epoch(0)
+    for i in range(2):
+        trainer.step_in_epoch = trainer.global_step = i
+        trainer.optimizer_step(*next(batches))
+    out = {"float8": sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules()),
+           "weights": [float(p.detach().double().sum()) for p in trainer.model.parameters()],
+           "nonfinite": trainer.nonfinite_steps}
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    distributed.shutdown()
+
+
+def test_fp8_trains_under_ddp_with_the_ranks_in_step(tmp_path):
+    """torchao's float8 layers inside DDP (gloo): both ranks take the same steps and end with the same weights."""
+    ranks = _ranks(tmp_path, _fp8_worker)
+    assert ranks[0]["float8"] == 18 and ranks[0]["nonfinite"] == 0
+    assert ranks[0]["weights"] == ranks[1]["weights"] and all(math.isfinite(w) for w in ranks[0]["weights"])
+
+
 def _compile_worker(rank: int, port: int, folder: str) -> None:
     from torch._dynamo.utils import counters
     world = _join(rank, port)

@@ -36,6 +36,43 @@ def test_a_linear_is_counted_by_hand():
     assert mm.flops == op.flops and mm.bytes == op.bytes / 2
 
 
+def test_a_linear_on_a_transposed_3d_input_stays_fp16_as_under_autocast():
+    """F.linear on a non-contiguous 3-D input decomposes below autograd into bmm and a bias add: the add stays fp16
+    (autocast casts linear as a whole), and the weight is cast once."""
+    x, w, b = torch.empty(4, 8, 16), torch.empty(32, 16, requires_grad=True), torch.empty(32, requires_grad=True)
+    x, w, b = x.to("meta"), w.detach().to("meta").requires_grad_(), b.detach().to("meta").requires_grad_()
+    with roofline.StepCounter(torch.float16) as counter:
+        out = F.linear(x.transpose(0, 1), w, b)
+    assert out.dtype == torch.float16
+    done = {(o.name, o.dtype) for o in counter.ops if o.name in ("mm", "add")}
+    assert done == {("mm", "float16"), ("add", "float16")}
+
+
+def test_backward_reads_the_forward_casts_and_attention_is_one_fused_op():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    ops = roofline.count(model, torch.empty(8, 64), torch.zeros(8, dtype=torch.long), "fp16",
+                         lambda p: torch.optim.SGD(p, lr=0.1))
+    backward_casts = [o for o in ops if o.name == "cast" and o.phase == "backward"]
+    assert backward_casts and all(o.dtype == "float16" for o in backward_casts)  # only gradients back to fp32
+    params = sum(p.numel() for p in model.parameters())
+    # every parameter and the input once to fp16, the logits once back to fp32 for the loss
+    assert sum(o.bytes for o in ops if o.name == "cast" and o.phase == "forward") == 6 * (params + 8 * 64 + 8 * 16)
+    mha = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+
+    class Attn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha, self.head = mha, torch.nn.Linear(64, 10)
+
+        def forward(self, x):
+            x = x.flatten(2).transpose(1, 2).repeat(1, 1, 16)  # 4 tokens of width 64
+            return self.head(self.mha(x, x, x, need_weights=False)[0].mean(1))
+    ops = roofline.count(Attn(), torch.empty(2, 4, 2, 2), torch.zeros(2, dtype=torch.long), "bf16",
+                         lambda p: torch.optim.SGD(p, lr=0.1))
+    attention = [o for o in ops if o.category == "attention"]
+    assert [o.phase for o in attention] == ["forward", "backward"] and all(o.dtype == "bfloat16" for o in attention)
+
+
 def test_a_conv2d_is_counted_by_hand():
     x, w = torch.empty(2, 3, 8, 8), torch.empty(4, 3, 3, 3)
     (op,) = _forward_ops(None, lambda a, b: F.conv2d(a, b, padding=1), x, w)

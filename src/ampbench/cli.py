@@ -95,6 +95,8 @@ def roofline_cmd(args) -> None:
     from ampbench.measure import roofline
     from ampbench.report import fmt
     rows = None if args.gpu == "all" else [roofline.find_gpu(args.gpu)]  # a bad name stops before counting
+    if args.batch < 0:
+        raise ConfigError(f"--batch {args.batch}: give a batch of 1 or more images (or 0 for train.batch_size)")
     cfg = config.load(args.params)
     found = roofline.for_config(cfg, args.batch or None)
     s = found["summary"]

@@ -289,13 +289,17 @@ def _migrate(raw: dict) -> dict:
     train = raw.get("train")
     if not isinstance(train, dict) or "allow_tf32" not in train:
         return raw
+    _check_scalar("train.allow_tf32", train["allow_tf32"], bool, {})
     raw = {**raw, "train": {k: v for k, v in train.items() if k != "allow_tf32"}}
-    if train["allow_tf32"] is True and isinstance(raw.get("variants"), dict):
-        raw["variants"] = {name: ({**v, "precision": "tf32"} if isinstance(v, dict) and v.get("precision") == "fp32"
-                                  else v) for name, v in raw["variants"].items()}
-        print("params.yaml: train.allow_tf32 is replaced by the precision tf32; its fp32 variants run as tf32. "
-              "Write `precision: tf32` in those variants and delete train.allow_tf32 (a `precision: fp32` variant "
-              "is strict IEEE fp32)", file=sys.stderr)
+    variants = raw.get("variants") if isinstance(raw.get("variants"), dict) else dict(
+        (n, to_dict(v)) for n, v in _default_variants().items())
+    has_tf32 = any(isinstance(v, dict) and v.get("precision") == "tf32" for v in variants.values())
+    if train["allow_tf32"] is True and not has_tf32:
+        raw["variants"] = {**variants, "tf32": {"precision": "tf32", "accum_steps": 1}} if "tf32" not in variants \
+            else variants
+        print("params.yaml: train.allow_tf32 is replaced by the precision tf32: a tf32 variant now runs beside the "
+              "fp32 ones, which are strict IEEE fp32; write `tf32: {precision: tf32, accum_steps: 1}` under variants "
+              "and delete train.allow_tf32", file=sys.stderr)
     else:
         print("params.yaml: train.allow_tf32 is replaced by the precision tf32 (fp32 stays strict IEEE fp32); "
               "delete train.allow_tf32, and add `tf32: {precision: tf32, accum_steps: 1}` to variants to measure "

@@ -86,7 +86,9 @@ def float8_layers(model: nn.Module, recipe: str, image_size: int) -> dict:
     import copy
 
     from torch.utils.flop_counter import FlopCounterMode
-    x = torch.zeros(2, 3, image_size, image_size)
+    if any(not p.is_meta for p in model.parameters()):  # shapes only: no weights copied, however large the model
+        model = copy.deepcopy(model).to("meta")
+    x = torch.zeros(2, 3, image_size, image_size, device="meta")
     counter = FlopCounterMode(display=False)
     with counter, torch.no_grad():
         copy.deepcopy(model).train()(x)

@@ -38,6 +38,7 @@ from ampbench.config import Config, sweep_precisions, to_dict
 from ampbench.data import DeviceBatches
 from ampbench.env import source_digest, source_files
 from ampbench.measure import clock, flops, memory, stats
+from ampbench.precision import spec
 from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, write_json
 from ampbench.train import probes, setup, step
 
@@ -59,6 +60,8 @@ def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerpri
              "model": to_dict(cfg.model), "amp": to_dict(cfg.amp), "augment": cfg.train.augment,
              "limit": cfg.sweep.memory_limit_gib, "data": meta,
              "env": env_fingerprint, "model_source": model_source, "code": code}
+    if spec(precision).float8:
+        parts["fp8_recipe"] = runplan.fp8_recipe(cfg)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -11,7 +11,8 @@ CUDA autocast itself: in the forward pass an op on CUDA autocast's lower-precisi
 ``ATen/autocast_mode.h``) gets its fp32 inputs cast to fp16/bf16, an op on its fp32 list (``FP32``) gets its
 low-precision inputs cast to fp32, and the casts are counted as ops of their own (a weight is cast once per
 step, as autocast's cache does). In the backward pass the lower-precision ops read the casts the forward made.
-fp16 adds GradScaler's unscale pass over the gradients. fp8 converts the model as training does (torchao's
+Attention is counted as the fused kernel a GPU runs (memory-efficient attention), not the math path meta tensors
+would take. fp16 adds GradScaler's unscale pass over the gradients. fp8 converts the model as training does (torchao's
 float8 Linear layers: their GEMMs run on float8 tensors), and its scaling is counted as ``torch.compile`` fuses it
 (an amax pass and a cast pass per tensor; torchao's fp8 is only fast compiled), everything else as eager.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import difflib
 import sys
 from dataclasses import dataclass
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +65,9 @@ _BELOW_AUTOGRAD = {"_softmax": "softmax", "_log_softmax": "log_softmax", "nll_lo
                    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
                    "_scaled_dot_product_efficient_attention": "_scaled_dot_product_flash_attention",
                    "_fused_rms_norm": "rms_norm"}
-_BACKWARD_LOWER = frozenset(("convolution_backward", "mm", "bmm", "addmm", "baddbmm", "mv"))
+_BACKWARD_LOWER = frozenset(("convolution_backward", "mm", "bmm", "addmm", "baddbmm", "mv",
+                             "_scaled_dot_product_efficient_attention_backward",
+                             "_scaled_dot_product_flash_attention_backward"))
 
 LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: the rest in bf16
 CATEGORIES = ("conv", "matmul", "attention", "memory-bound ops")
@@ -114,40 +118,69 @@ def _is_view(func) -> bool:
 
 
 class StepCounter(TorchDispatchMode):
-    """Records every op of one training step as an ``Op``, playing CUDA autocast to ``low`` (None: fp32)."""
+    """Records every op of one training step as an ``Op``, playing CUDA autocast to ``low`` (None: fp32).
+
+    Forward: an op on CUDA autocast's lower-precision list gets its fp32 inputs cast to ``low``, an op on its fp32
+    list its low-precision inputs cast to fp32, each cast recorded as an op; a parameter is cast once per step, as
+    autocast caches leaf tensors that require grad, an activation each time it is used. The bias add of a linear
+    layer that decomposed below autograd (a 3-D input: ``bmm`` then ``add``) stays in ``low``, as ``linear`` does
+    under autocast. Backward: autocast saved the casts for backward, so the lower-precision backward ops read them
+    at no cost (the counter casts, unrecorded); autograd's own casts of gradients are recorded as the ops they are.
+    """
 
     def __init__(self, low: torch.dtype | None, fuse_float8: bool = False):
         super().__init__()
         self.low, self.phase, self.ops, self.fuse_float8 = low, "forward", [], fuse_float8
-        self._casts: dict[tuple, torch.Tensor] = {}  # autocast's per-step cache: (tensor, dtype) -> the cast
-        self._keep: list[torch.Tensor] = []           # keeps cached tensors alive, so their ids are not reused
+        self._params: dict[tuple, torch.Tensor] = {}  # autocast's per-step cache: (parameter, dtype) -> the cast
+        self._low_outputs: dict[int, torch.Tensor] = {}  # outputs of lower-precision ops (by id), kept alive
+        self._fp8_source_itemsize = 4                 # the element size of the tensor fp8 last took an amax of
 
     def _cast(self, t, dtype: torch.dtype):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
             return t
         if type(t) not in (torch.Tensor, torch.nn.Parameter):  # a float8 tensor: already in its own dtype
             return t
-        key = (id(t), dtype)
-        if key not in self._casts:
-            out = t.to(dtype)  # inside the handler the mode is off: the cast is recorded here
+        base = t._base if t._base is not None else t
+        if base.is_leaf and base.requires_grad:  # a parameter (or a view of one, as W.t() in backward)
+            key = (id(base), dtype)
+            if key not in self._params:
+                self._params[key] = (base, self._record_cast(base, dtype))
+            cast = self._params[key][1]
+            return cast if base is t else cast.as_strided(t.size(), t.stride(), t.storage_offset())
+        return self._record_cast(t, dtype) if self.phase == "forward" else t.to(dtype)
+
+    def _record_cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = t.to(dtype)  # inside the handler the mode is off: the cast is recorded here
+        if self.phase == "forward":
             self.ops.append(Op("cast", str(t.dtype).removeprefix("torch."), 0.0, float(_bytes(t) + _bytes(out)),
                                self.phase))
-            self._casts[key] = out
-            self._keep.append(t)
-        return self._casts[key]
+        return out
 
-    def _policy(self, name: str) -> torch.dtype | None:
+    def _policy(self, name: str, args) -> torch.dtype | None:
         if self.low is None:
             return None
         name = _BELOW_AUTOGRAD.get(name, name)
         if self.phase == "forward":
-            return self.low if name in LOWER else torch.float32 if name in FP32 else None
+            if name in LOWER:
+                return self.low
+            if name in FP32:
+                return torch.float32
+            if name in ("add", "add_") and self._is_bias_add(args):
+                return self.low
+            return None
         return self.low if self.phase == "backward" and name in _BACKWARD_LOWER else None
+
+    def _is_bias_add(self, args) -> bool:
+        """``add(bmm's output, bias)``: the second half of a linear layer that decomposed below autograd."""
+        if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
+            return False
+        out, bias = args[0], args[1]
+        return id(out) in self._low_outputs and bias.dim() == 1 and bias.is_leaf and bias.requires_grad
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func._overloadpacket.__name__
-        target = self._policy(name)
+        target = self._policy(name, args)
         if target is not None:
             args, kwargs = tree_map(lambda t: self._cast(t, target), (args, kwargs))
         try:
@@ -158,45 +191,62 @@ class StepCounter(TorchDispatchMode):
                               "the model needs data-dependent shapes or values, which a roofline cannot "
                               "count") from None
         if _is_view(func):
+            if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self._low_outputs \
+                    and isinstance(out, torch.Tensor):
+                self._low_outputs[id(out)] = out  # bmm's output reshaped before its bias add
             return out
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if target is self.low and self.low is not None and self.phase == "forward" and outs:
+            self._low_outputs[id(outs[0])] = outs[0]
         moved = sum(_bytes(t) for t in tensors) + sum(_bytes(t) for t in outs)
         counter = flop_registry.get(func._overloadpacket)
         flops = float(counter(*args, **kwargs, out_val=out)) if counter else 0.0
-        if self.fuse_float8 and not flops and _from_torchao():
-            moved = _fused_float8_bytes(name, tensors, outs)
+        if self.fuse_float8 and not flops and _from_torchao_scaling():
+            moved = self._fused_float8_bytes(name, tensors, outs)
+            if not moved:
+                return out
             name = "fp8 scaling and cast"
         floating = [t for t in tensors if t.is_floating_point()]
         fp8 = [d for d in map(_float8_data, floating) if d is not None]
         dtype = fp8[0].dtype if fp8 else floating[0].dtype if floating else (outs[0].dtype if outs else torch.float32)
         op_name = "cast" if name == "_to_copy" else name
-        if name == "fp8 scaling and cast" and not moved:
-            return out
         self.ops.append(Op(op_name, str(dtype).removeprefix("torch."), flops, float(moved), self.phase))
         return out
 
+    def _fused_float8_bytes(self, name: str, tensors: list, outs: list) -> float:
+        """fp8's scaling as torch.compile fuses it: an amax pass reads the tensor, the cast reads it again and
+        writes fp8; the elementwise steps between (abs, the upcast, clamp, the scale's arithmetic) fuse into those
+        two and move nothing. The cast is charged for reading the tensor the amax read, in its own dtype."""
+        if name in ("amax", "max", "aminmax") and tensors:
+            self._fp8_source_itemsize = tensors[0].element_size()
+            return float(_bytes(tensors[0]))
+        if outs and outs[0].dtype.itemsize == 1 and outs[0].is_floating_point():
+            return float(outs[0].numel() * (self._fp8_source_itemsize + 1))
+        return 0.0
 
-def _from_torchao() -> bool:
-    """Whether the op being dispatched was called from torchao's float8 code (its scaling and casts)."""
+
+# torchao's float8 scaling and casting code (amax, scale, saturated cast); its other ops (a bias add) are eager
+_FLOAT8_SCALING = ("float8_scaling_utils.py", "float8_utils.py", "float8_training_tensor.py")
+
+
+def _from_torchao_scaling() -> bool:
+    """Whether the op being dispatched was called from torchao's float8 scaling and casting code."""
     frame = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             return False
-        if "torchao" in frame.f_code.co_filename:
+        if "torchao" in frame.f_code.co_filename and frame.f_code.co_filename.endswith(_FLOAT8_SCALING):
             return True
         frame = frame.f_back
     return False
 
 
-def _fused_float8_bytes(name: str, tensors: list, outs: list) -> float:
-    """fp8's scaling as torch.compile fuses it: an amax pass reads the tensor, the cast reads it and writes fp8;
-    the elementwise steps between (abs, clamp, the scale's arithmetic) fuse into those two and move nothing."""
-    if outs and outs[0].dtype.itemsize == 1 and outs[0].is_floating_point():
-        return float(sum(_bytes(t) for t in tensors[:1]) + sum(_bytes(t) for t in outs))
-    if name in ("amax", "max", "aminmax"):
-        return float(sum(_bytes(t) for t in tensors[:1]))
-    return 0.0
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+    """``F.scaled_dot_product_attention`` as a GPU runs it, one fused kernel (memory-efficient attention), where
+    meta tensors would take the math path and count the attention matrix written and read several times."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
+                                                                   is_causal, scale=scale)[0]
 
 
 def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
@@ -232,17 +282,16 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
             counter.phase = "optimizer"
             if spec(precision).grad_scaler:  # GradScaler's unscale_: read and write every gradient once
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
-                before = len(counter.ops)
-                torch._foreach_mul_(grads, 1.0)
-                for op in counter.ops[before:]:
-                    op.name = "unscale (GradScaler)"
+                counter.ops.append(Op("unscale (GradScaler)", "float32", 0.0,
+                                      float(2 * sum(_bytes(g) for g in grads)), "optimizer"))
         opt.step()
 
     fuse = spec(precision).float8
-    with StepCounter(low, fuse):  # the optimizer's state made; counted too, so an op that cannot be is named
-        step(None)
-    with StepCounter(low, fuse) as counter:
-        step(counter)
+    with mock.patch.object(F, "scaled_dot_product_attention", _fused_attention):
+        with StepCounter(low, fuse):  # the optimizer's state made; counted too, so an op that cannot be is named
+            step(None)
+        with StepCounter(low, fuse) as counter:
+            step(counter)
     return counter.ops
 
 
@@ -342,7 +391,7 @@ def for_config(cfg, batch: int | None = None, precisions: tuple[str, ...] | None
     batch = batch or cfg.train.batch_size
     desc = data.describe(cfg.data)
     size = models.input_size(cfg.model, desc["image_size"])
-    model = models.build(cfg.model, num_classes=desc["num_classes"], image_size=size, device="cpu")
+    model = models.build(cfg.model, num_classes=desc["num_classes"], image_size=size, device="meta")  # no weights
     plan = runplan.for_precision(cfg, "fp32", "cpu")
     x = torch.empty(batch, 3, size, size, device="meta")
     y = torch.empty(batch, dtype=torch.long, device="meta")
@@ -363,12 +412,15 @@ ARTICLE_GPU = "RTX 5090"  # the article's card; its model, ResNet-18 (CIFAR stem
 
 
 def record(cfg, gpu_name: str | None) -> dict:
-    """What env_check writes as roofline.json for the report: the model's step counted per precision, its table
-    on this GPU (when the datasheet has it), and the article's ResNet-18 at batch 256 on an RTX 5090."""
+    """What env_check writes as roofline.json for the report: the model's step counted per precision (fp8 only
+    when a variant trains in it), its table on this GPU (when the datasheet has it), and the article's ResNet-18
+    at batch 256 on an RTX 5090."""
     from ampbench import config
     from ampbench.measure.flops import datasheet_row
+    from ampbench.precision import spec
 
-    found = for_config(cfg)
+    used = {v.precision for v in cfg.variants.values()}
+    found = for_config(cfg, precisions=tuple(p for p in config.PRECISIONS if not spec(p).float8 or p in used))
     s = found["summary"]
     out = {"model": found["model"], "batch": found["batch"], "input_size": found["input_size"],
            "flops": s["flops"], "bytes": s["bytes"], "conv_flop_share": s["conv_flop_share"],

@@ -151,8 +151,11 @@ def ladder_sentence(summary: dict, env: dict) -> str:
         parts.append(f"{label} {fmt.times(r['speedup'])} strict fp32{against}")
     if not parts:
         return ""
-    text = (f" Against each rung of the ladder: {'; '.join(parts)} (TF32 convolutions are PyTorch's default, so "
-            "the TF32 ratio is what switching from a plain PyTorch run buys")
+    closest = (summary.get("roofline") or {}).get("closest_default")
+    default = {"tf32": "for this conv net the TF32 ratio is what switching from a plain PyTorch run buys",
+               "fp32": "this model's FLOPs are matmuls, so a plain PyTorch run of it is closest to strict fp32"}
+    text = (f" Against each rung of the ladder: {'; '.join(parts)} (PyTorch's default is TF32 convolutions and IEEE "
+            f"matmuls{': ' + default[closest] if closest in default else ''}")
     if not env.get("gpu"):
         text += "; on a CPU tf32 is fp32, the same arithmetic, so its ratio to fp32 is run-to-run difference"
     return text + ")."

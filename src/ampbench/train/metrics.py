@@ -52,7 +52,9 @@ def run_result(t) -> RunResult:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     ips = timed_images / (total_e2e / 1000) if total_e2e else None  # StepClock.imgs_per_s, the slowest rank's time
     rates = c.step_rates()
-    peak_prec = datasheet_column(plan.precision)
+    fp8_layers = sum(type(m).__name__ == "Float8Linear" for m in t.model.modules()) if plan.fp8_recipe else None
+    # an fp8 run that converted nothing ran in bf16: its peak is bf16's
+    peak_prec = "bf16" if plan.fp8_recipe and not fp8_layers else datasheet_column(plan.precision)
     peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
     achieved = t.flops_per_image * ips / 1e12 if ips else None
     metrics = {
@@ -90,7 +92,7 @@ def run_result(t) -> RunResult:
         "train_images_per_epoch": t.train_batches.used,  # the last partial batch is dropped
         "data_source": t.data_meta["source"],
         "fp8_recipe": plan.fp8_recipe,  # fp8 only: torchao's recipe, and how many layers it converted
-        "fp8_layers": sum(type(m).__name__ == "Float8Linear" for m in t.model.modules()) if plan.fp8_recipe else None,
+        "fp8_layers": fp8_layers,
     }
     if not c.cycle_ms:
         metrics["timing_note"] = (f"no step was timed: every step fell within train.warmup_steps = "
