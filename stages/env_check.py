@@ -18,8 +18,6 @@ from ampbench.errors import ConfigError, run_cli
 from ampbench.measure import roofline
 from ampbench.results import atomic_write
 
-SMALL_GEMM = 2048  # below this on every side, fp8's scaling and casts outweigh its faster GEMM (torchao's benchmark)
-
 
 def check_fp8(cfg: config.Config, device: str, image_size: int, num_classes: int) -> tuple[dict | None, list[str]]:
     """What fp8 converts in this model (counted by forward hooks) and what to warn of; a recipe that cannot run
@@ -38,11 +36,10 @@ def check_fp8(cfg: config.Config, device: str, image_size: int, num_classes: int
     if not found["called"]:
         warnings.append(f"fp8 converts no layer of this model ({models.name(cfg.model)}: no Linear layer it calls "
                         f"has both dimensions multiples of {precision.FP8_MULTIPLE}); it would measure bf16")
-    found["small_gemms"] = bool(found["called"]) and max(found["widest"]) < SMALL_GEMM
-    if found["small_gemms"]:
-        warnings.append(f"fp8 pays off only on large GEMMs: this model's widest fp8 layer is "
-                        f"{found['widest'][0]}x{found['widest'][1]} (torchao's own H100 benchmark: fp8 0.80x bf16 at "
-                        "1024x2048x1024, 1.39x at 4096x8192x16384), so expect fp8 no faster than bf16 here")
+    if found["called"] and max(found["widest"]) < precision.SMALL_GEMM:
+        found["small_gemms"] = (f"its widest fp8 layer is {found['widest'][0]}x{found['widest'][1]}: "
+                                f"{precision.SMALL_GEMM_NOTE}, so expect fp8 no faster than bf16 here")
+        warnings.append(f"fp8 on this model: {found['small_gemms']}")
     if not cfg.train.compile:
         warnings.append("precision fp8 with train.compile: false: torchao's float8 training is fast only under "
                         "torch.compile (which fuses its scaling and casts); set train.compile: true")

@@ -128,6 +128,7 @@ def test_resnet18_on_an_rtx_5090_gains_about_2x_from_fp16(resnet18_counted):
 
 def test_a_gpu_not_in_the_table_lists_the_close_matches():
     assert roofline.find_gpu("rtx  5090")["name"] == "RTX 5090"
+    assert roofline.find_gpu("NVIDIA A100-SXM4-80GB")["name"] == "A100 80GB SXM"  # torch's name for it
     with pytest.raises(ConfigError, match="'RTX 5080' is not in the datasheet table; close: RTX 5090"):
         roofline.find_gpu("RTX 5080")
 
@@ -151,6 +152,6 @@ def test_roofline_command_prints_every_gpu_and_refuses_a_bad_name(tmp_path):
     run = [sys.executable, "-m", "ampbench.cli", "roofline", "--params", str(tmp_path / "params.yaml")]
     out = subprocess.run(run + ["--gpu", "all"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "| RTX 5090 |" in out.stdout and "| H100 SXM |" in out.stdout and "What this is" in out.stdout
+    assert "| RTX 5090 |" in out.stdout and "| H100 SXM |" in out.stdout and "What a roofline is" in out.stdout
     bad = subprocess.run(run + ["--gpu", "RTX 9999"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "close:" in bad.stderr

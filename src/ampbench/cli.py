@@ -78,22 +78,10 @@ def mlflow_ui(args) -> None:
                         "--port", str(args.port)], check=False)
 
 
-ROOFLINE_NOTE = (
-    "What this is: one training step counted op by op (FLOPs and bytes each op reads and writes, eager kernels, "
-    "no fusion), each op at max(FLOPs / the datasheet peak of the dtype it runs in, bytes / memory bandwidth). A "
-    "ratio here is what switching precision would buy if both precisions ran every kernel at the datasheet's "
-    "peaks. Real kernels run below peak, and unevenly: a measured speedup above the roofline ratio means the "
-    "slower precision ran further below its peak than the faster one.")
-
-
-def _roofline_rows(found: dict, row: dict) -> dict:
-    from ampbench.measure import roofline
-    return roofline.table(found["ops"], row, found["batch"])
-
-
 def roofline_cmd(args) -> None:
     from ampbench.measure import roofline
     from ampbench.report import fmt
+    from ampbench.report.sections import ROOFLINE_NOTE, roofline_table
     rows = None if args.gpu == "all" else [roofline.find_gpu(args.gpu)]  # a bad name stops before counting
     if args.batch < 0:
         raise ConfigError(f"--batch {args.batch}: give a batch of 1 or more images (or 0 for train.batch_size)")
@@ -109,24 +97,15 @@ def roofline_cmd(args) -> None:
     precisions = list(found["ops"])
     if rows:
         row = rows[0]
-        table = _roofline_rows(found, row)
         print(f"{row['name']}: {row['source']}; memory {row['bandwidth_gbps']:,} GB/s\n")
-        print("| precision | roofline step | img/s | vs strict fp32 | vs tf32 | memory-bound share of the step |")
-        print("|---|---|---|---|---|---|")
-        for p in precisions:
-            r = table[p]
-            if r is None:
-                print(f"| {p} | {row['name']} has no {p} tensor cores | | | | |")
-                continue
-            print(f"| {p} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
-                  f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} |")
+        print("\n".join(roofline_table(roofline.table(found["ops"], row, found["batch"]))))
     else:
         from ampbench.measure.flops import DATASHEET
         print("| GPU | " + " | ".join(f"{p} img/s" for p in precisions) + " | "
               + " | ".join(f"{p} vs fp32" for p in precisions if p != "fp32") + " | fp16 vs tf32 |")
         print("|---|" + "---|" * (2 * len(precisions)))
         for _, row in DATASHEET:
-            t = _roofline_rows(found, row)
+            t = roofline.table(found["ops"], row, found["batch"])
             ips = [f"{t[p]['imgs_per_s']:,.0f}" if t[p] else "n/a" for p in precisions]
             vs = [fmt.times(t[p]["vs_fp32"]) if t[p] else "n/a" for p in precisions if p != "fp32"]
             fp16 = t.get("fp16")

@@ -63,6 +63,9 @@ SPECS: dict[str, Spec] = {
 }
 FP8_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each fp8 GEMM to be multiples of 16
 CPU_FP8_RECIPES = ("tensorwise", "rowwise")  # rowwise_with_gw_hp's bf16 gradient GEMM fails under CPU autocast
+SMALL_GEMM = 2048  # below this on every side, fp8's scaling and casts outweigh its faster GEMM (torchao's benchmark)
+SMALL_GEMM_NOTE = ("fp8 pays off only on large GEMMs (torchao's own H100 benchmark: fp8 0.80x bf16 at "
+                   "1024x2048x1024, 1.39x at 4096x8192x16384)")
 
 
 def float8_eligible(module: nn.Module, fqn: str = "") -> bool:

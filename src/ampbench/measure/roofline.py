@@ -302,13 +302,17 @@ def gpu_names() -> list[str]:
 
 
 def find_gpu(name: str) -> dict:
-    """The datasheet row of a GPU named as in the table (case and spaces ignored), or a ConfigError with the
-    close matches."""
+    """The datasheet row of a GPU named as in the table (case and spaces ignored) or as torch names it, or a
+    ConfigError with the close matches."""
     def norm(s: str) -> str:
         return "".join(s.lower().split())
     rows = {norm(row["name"]): row for _, row in DATASHEET}
     if norm(name) in rows:
         return rows[norm(name)]
+    from ampbench.measure.flops import datasheet_row
+    row = datasheet_row(name)  # as torch names the GPU: "NVIDIA A100-SXM4-80GB", or "A100" (the table's first match)
+    if row:
+        return row
     close = difflib.get_close_matches(name, gpu_names(), n=4, cutoff=0.3) or \
         [n for n in gpu_names() if norm(name)[:3] in norm(n)]
     hint = f"close: {', '.join(close)}" if close else f"the table has: {', '.join(gpu_names())}"

@@ -209,14 +209,11 @@ def _fp8_lines(fp8: dict | None) -> list[str]:
     if not fp8["called"]:
         return ["", "fp8 converts no layer of this model (no Linear layer it calls has both dimensions multiples of "
                 "16), so its fp8 variants measure bf16."]
-    w = fp8["widest"]
     text = (f"fp8 ({fp8['recipe']}) runs {len(fp8['called'])} Linear layers in float8, {fp8['flop_share']:.0%} of "
             "the model's forward FLOPs (counted by forward hooks on the layers a forward pass calls); the rest stays "
             "bf16.")
     if fp8.get("small_gemms"):
-        text += (f" Its widest fp8 layer is {w[0]}x{w[1]}: fp8 pays off only on large GEMMs (torchao's own H100 "
-                 "benchmark: 0.80x bf16 at 1024x2048x1024, 1.39x at 4096x8192x16384), so expect it no faster than "
-                 "bf16 here.")
+        text += f" On this model {fp8['small_gemms']}."
     return ["", text]
 
 
@@ -244,21 +241,31 @@ def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
     for name, m in found["measured"].items():
         by_precision.setdefault(m["precision"], []).append(
             f"{name}: {fmt.times(m['speedup'])} measured, {m['of_roofline']:.0%} of the bound's img/s")
-    lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", "",
-              "| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share "
-              "| measured |",
-              "|---|---|---|---|---|---|---|"]
-    for precision, r in gpu["table"].items():
+    lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", ""]
+    return lines + roofline_table(gpu["table"], by_precision) + ["", ROOFLINE_NOTE, ""]
+
+
+ROOFLINE_NOTE = (
+    "What a roofline is: one training step counted op by op (FLOPs and the bytes each op reads and writes; eager "
+    "kernels, no fusion, fp8's scaling as torch.compile fuses it), each op at max(FLOPs / the datasheet peak of the "
+    "dtype it runs in, bytes / memory bandwidth). Its ratio is what switching precision would buy if both precisions "
+    "ran every kernel at the datasheet's peaks. Real kernels run below peak, and unevenly: a measured speedup above "
+    "the roofline ratio means the slower precision ran further below its peak.")
+
+
+def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]] | None = None) -> list[str]:
+    """One GPU's roofline per precision (``roofline.table``), with what was measured beside it when given."""
+    extra = " measured |" if measured is not None else ""
+    lines = ["| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share |" + extra,
+             "|---|---|---|---|---|---|" + ("---|" if extra else "")]
+    for precision, r in table.items():
         if r is None:
-            lines.append(f"| {precision} | no {precision} tensor cores | | | | | |")
+            lines.append(f"| {precision} | no {precision} tensor cores | | | | |" + (" |" if extra else ""))
             continue
+        cell = f" {'; '.join(measured.get(precision, [])) or 'not run'} |" if measured is not None else ""
         lines.append(f"| {precision} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
-                     f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} "
-                     f"| {'; '.join(by_precision.get(precision, [])) or 'not run'} |")
-    return lines + ["", "A roofline ratio is what switching precision would buy if both precisions ran every kernel "
-                    "at the datasheet's peaks (eager kernels, no fusion). Real kernels run below peak, and unevenly: "
-                    "a measured speedup above the roofline ratio means the slower precision ran further below its "
-                    "peak.", ""]
+                     f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} |" + cell)
+    return lines
 
 
 def memory(summary: dict, env: dict, runs: dict) -> list[str]:
