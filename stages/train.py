@@ -84,7 +84,7 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
     result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s_per_process")))
     result.metrics["env_fingerprint"] = env.fingerprint(info)
     results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
-                      result.numerics, result.system, result.profile_trace)
+                      result.numerics, result.system, result.profile_trace, result.grad_norms)
     if plan.mlflow.enabled:
         from ampbench import tracking
         pipeline = tracking.pipeline_id(plans_dir, env_path)

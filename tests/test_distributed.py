@@ -114,6 +114,47 @@ def test_ddp_gradients_equal_one_process_full_batch(tmp_path, batch, accum):
         assert ranks[0]["calls_without_no_sync"] > buckets  # no_sync really skipped the intermediate all-reduces
 
 
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 32), torch.nn.ReLU(),
+                               torch.nn.Linear(32, 10))
+
+
+def _clipped_step(model, batches: DeviceBatches, micro: int, step_model=None) -> tuple[list, float]:
+    """One clipped train_step (SGD, lr 1, no momentum: the update is minus the clipped gradient)."""
+    x, y = next(batches.epoch(0))
+    policy = PrecisionPolicy("fp32", "cpu", None)
+    before = [p.detach().clone() for p in model.parameters()]
+    norms: list = []
+    step.train_step(step_model or model, torch.optim.SGD(model.parameters(), lr=1.0), policy.scaler(), policy, x, y,
+                    micro, clip=0.05, norms=norms)
+    return [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)], float(norms[0])
+
+
+def _clip_worker(rank: int, port: int, out: str) -> None:
+    world = _join(rank, port)
+    model = _mlp()
+    batches = DeviceBatches(*_images(), 32, MEAN, STD, augment=False, shuffle=True, channels_last=False, seed=3,
+                            shard=(world.rank, world.size))
+    update, norm = _clipped_step(model, batches, 8, distributed.wrap(model, world))  # 2 micro-batches per rank
+    torch.save({"update": update, "norm": norm}, Path(out) / f"rank{rank}.pt")
+    distributed.shutdown()
+
+
+def test_ddp_with_accumulation_clips_the_full_batch_gradient(tmp_path):
+    """Clipping after the last micro-batch's all-reduce: both ranks clip the global batch's gradient, by the
+    global norm, as one process does with the full batch."""
+    _spawn(_clip_worker, str(tmp_path))
+    whole = DeviceBatches(*_images(), 32, MEAN, STD, augment=False, shuffle=True, channels_last=False, seed=3)
+    ref, ref_norm = _clipped_step(_mlp(), whole, 32)
+    assert ref_norm > 0.1  # clipping is active
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert got["norm"] == pytest.approx(ref_norm, rel=1e-5)
+        worst = max(((u - v).abs().max() / v.abs().max()).item() for u, v in zip(got["update"], ref, strict=True))
+        assert worst < 1e-4
+
+
 def test_shards_cover_each_global_batch_once():
     x, y = _images(50)
 

@@ -86,9 +86,9 @@ def test_profile_of_a_known_op_mix(tiny):
 def test_profile_never_runs_inside_the_timed_steps(tiny, monkeypatch):
     real, calls = step.train_step, []
 
-    def watched(*args):
+    def watched(*args, **kwargs):
         calls.append(torch._C._autograd._profiler_enabled())
-        return real(*args)
+        return real(*args, **kwargs)
 
     monkeypatch.setattr(step, "train_step", watched)
     result = runner.train(_plan("fp32", steps=3), tiny, progress=False)

@@ -25,14 +25,21 @@ PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")  # each has its Spec in pre
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float8 training recipes
 DATA_SOURCES = ("cifar10", "cifar100", "folder", "synthetic")  # each is a source in data.SOURCES
 ARCH_NAMES = ("resnet18", "small_cnn", "vit_tiny")  # built in; "tv:<name>" is any torchvision classifier
+OPTIMIZERS = ("sgd", "adamw")
+OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for_loop")  # auto: fused on CUDA, foreach elsewhere
+# Each optimizer's own defaults for what params.yaml leaves out: SGD's lr 0.1 makes AdamW diverge, and AdamW's
+# decoupled weight decay is not SGD's L2 penalty.
+OPTIMIZER_DEFAULTS = {"sgd": {"lr": 0.1, "weight_decay": 5e-4}, "adamw": {"lr": 1e-3, "weight_decay": 0.05}}
+ADAMW_MAX_LR = 0.01  # above it an AdamW learning rate is an SGD value brought over
 
 
 def _opt(default: Any, *, choices: tuple | None = None, lo: float | None = None,
          hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
-         nonempty: bool = False) -> Any:
-    """A dataclass field with its validation rules kept in metadata."""
+         nonempty: bool = False, length: int | None = None) -> Any:
+    """A dataclass field with its validation rules kept in metadata (``length``: a list of exactly that many
+    values, which may repeat; other lists list each value once)."""
     meta = {"choices": choices, "lo": lo, "hi": hi, "lo_open": lo_open,
-            "hi_open": hi_open, "nonempty": nonempty}
+            "hi_open": hi_open, "nonempty": nonempty, "length": length}
     return field(default=default, metadata=meta)
 
 
@@ -60,9 +67,15 @@ class ModelConfig:
 class TrainConfig:
     epochs: int = _opt(10, lo=1)              # passes over the training set
     batch_size: int = _opt(256, lo=1)         # images per optimizer step (the effective batch)
+    optimizer: str = _opt("sgd", choices=OPTIMIZERS)  # sgd (Nesterov momentum) | adamw
     lr: float = _opt(0.1, lo=0, lo_open=True)  # peak learning rate of the warm-up + cosine schedule
     momentum: float = _opt(0.9, lo=0, hi=1, hi_open=True)  # SGD momentum
-    weight_decay: float = _opt(5e-4, lo=0)    # L2 penalty
+    weight_decay: float = _opt(5e-4, lo=0)    # SGD: L2 penalty; AdamW: decoupled weight decay
+    betas: tuple[float, ...] = _opt((0.9, 0.999), lo=0, hi=1, hi_open=True, length=2)  # AdamW's moment decay rates
+    eps: float = _opt(1e-8, lo=0, lo_open=True)  # AdamW's denominator term
+    optimizer_impl: str = _opt("auto", choices=OPTIMIZER_IMPLS)  # auto = fused on CUDA, foreach elsewhere
+    clip_grad_norm: float = _opt(0.0, lo=0)   # clip the gradients' total norm to this (0 = off)
+    log_grad_norm: bool = False               # record the gradient norm of every step with clipping off too
     warmup_steps: int = _opt(20, lo=0)        # first optimizer steps, excluded from timing
     allow_tf32: bool = False                  # set in a run plan from its precision (tf32), not in params.yaml
     eval_batch_size: int = _opt(1024, lo=1)   # images per evaluation batch
@@ -120,6 +133,7 @@ class Variant:
     ddp: bool = True              # false: one process even when distributed.nproc_per_node > 1 (the scaling baseline)
     grad_comm: str = _opt("", choices=("", *GRAD_COMMS))  # "" = distributed.grad_comm
     fp8_recipe: str = _opt("tensorwise", choices=FP8_RECIPES)  # fp8 only: torchao's scaling recipe
+    optimizer_impl: str = _opt("", choices=("", *OPTIMIZER_IMPLS))  # "" = train.optimizer_impl
 
 
 @dataclass(frozen=True)
@@ -217,8 +231,10 @@ def _check_list(path: str, value: Any, typ: type, meta: dict) -> tuple:
         raise ConfigError(f"{_where(path, value)} is not a list; write it as [a, b, ...]")
     if meta.get("nonempty") and not value:
         raise ConfigError(f"{_where(path, value)} is empty; give at least one value")
+    if meta.get("length") is not None and len(value) != meta["length"]:
+        raise ConfigError(f"{_where(path, value)} has {len(value)} values; give exactly {meta['length']}")
     items = tuple(_check_scalar(f"{path}[{i}]", v, typ, {**meta, "nonempty": False}) for i, v in enumerate(value))
-    if len(set(items)) != len(items):
+    if meta.get("length") is None and len(set(items)) != len(items):
         raise ConfigError(f"{_where(path, value)} repeats a value; list each once")
     return items
 
@@ -249,6 +265,11 @@ def _cross_check(cfg: Config) -> None:
                 f"params.yaml: train.batch_size = {cfg.train.batch_size} does not split into "
                 f"distributed.nproc_per_node = {nproc} processes x variants.{name}.accum_steps = {v.accum_steps} "
                 f"equal micro-batches; choose a batch size that is a multiple of {world * v.accum_steps}")
+    t = cfg.train
+    if t.optimizer == "adamw" and t.lr > ADAMW_MAX_LR:
+        raise ConfigError(f"params.yaml: train.lr = {t.lr:g} is an SGD learning rate; AdamW diverges at it: set "
+                          f"train.lr to about {OPTIMIZER_DEFAULTS['adamw']['lr']:g} (at most {ADAMW_MAX_LR:g}), "
+                          "or delete it for AdamW's default")
     d = cfg.data
     url = urlparse(d.url)
     if d.url and (url.scheme not in ("http", "https", "file") or not (url.netloc or url.path)):
@@ -307,12 +328,20 @@ def _migrate(raw: dict) -> dict:
     return raw
 
 
+def _optimizer_defaults(raw: dict) -> dict:
+    """``train.lr`` and ``train.weight_decay`` left out: the chosen optimizer's own defaults."""
+    train = raw.get("train")
+    if not isinstance(train, dict) or train.get("optimizer") not in OPTIMIZER_DEFAULTS:
+        return raw
+    return {**raw, "train": {**OPTIMIZER_DEFAULTS[train["optimizer"]], **train}}
+
+
 def from_dict(raw: Any) -> Config:
     """Validate a parsed params mapping and return the frozen ``Config``."""
     if raw is None:
         raise ConfigError("params.yaml is empty; copy the committed params.yaml and edit it")
     if isinstance(raw, dict):
-        raw = _migrate(raw)
+        raw = _optimizer_defaults(_migrate(raw))
     cfg = _build(Config, raw, "")
     _cross_check(cfg)
     return cfg
@@ -353,6 +382,14 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def variant_world(cfg: Config, variant: str) -> int:
     """Processes per machine the variant trains in: distributed.nproc_per_node, or 1 with ddp: false."""
     return cfg.distributed.nproc_per_node if cfg.variants[variant].ddp else 1
+
+
+def resolve_optimizer_impl(impl: str, device: str) -> str:
+    """train.optimizer_impl with auto resolved: fused on CUDA (one kernel for the whole update, and a GradScaler
+    that steps it with no host sync), foreach elsewhere."""
+    if impl != "auto":
+        return impl
+    return "fused" if device == "cuda" else "foreach"
 
 
 def resolve_backend(cfg: DistributedConfig, device: str) -> str:

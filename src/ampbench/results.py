@@ -3,6 +3,8 @@
 - ``metrics.json``: the run's numbers (DVC metrics)
 - ``history.csv``: one row per epoch (DVC plots)
 - ``loss_scale.csv``: every change of the fp16 loss scale, with its step
+- ``grad_norm.csv``: the gradients' total norm before clipping, per optimizer step (with clipping or
+  ``train.log_grad_norm``; a header alone otherwise)
 - ``step_times.json``: the timed step times, for the report's confidence intervals
 - ``numerics.csv``: the fp16 numerics audit, one row per layer (fp16 variants)
 - ``system.csv``: CPU, memory (and GPU) samples taken during training
@@ -22,6 +24,7 @@ from pathlib import Path
 
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
 NUMERICS, SYSTEM, TRACE = "numerics.csv", "system.csv", "profile_trace.json"
+GRAD_NORM = "grad_norm.csv"
 # The sweep's sweep.csv (reports/sweep/), one row per point, for dvc plots
 SWEEP_COLUMNS = ["variant", "batch_size", "imgs_per_s", "imgs_per_s_p10", "imgs_per_s_p90", "peak_mem_bytes",
                  "peak_reserved_bytes", "activation_bytes", "achieved_tflops", "oom"]
@@ -66,7 +69,7 @@ def _clean(obj):
 
 def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: list[dict],
               step_times_ms: list[float], numerics: list[dict] = (), system: list[dict] = (),
-              trace: str = "") -> None:
+              trace: str = "", grad_norms: list[dict] = ()) -> None:
     out_dir = Path(out_dir)
     atomic_write(out_dir / TRACE, trace or '{"traceEvents": []}\n')  # an empty trace when profiling is off
     from ampbench.measure.sysmon import COLUMNS
@@ -76,6 +79,7 @@ def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: 
     atomic_write(out_dir / NUMERICS, csv_text(list(numerics), num_cols))
     atomic_write(out_dir / HISTORY, csv_text(history, hist_cols))
     atomic_write(out_dir / SCALE, csv_text(scale_history, ["step", "scale", "skipped"]))
+    atomic_write(out_dir / GRAD_NORM, csv_text(list(grad_norms), ["step", "grad_norm"]))
     write_json(out_dir / STEP_TIMES, [round(t, 4) for t in step_times_ms])
     write_json(out_dir / METRICS, _clean(metrics))  # last: its presence means the run is complete
 
@@ -91,7 +95,7 @@ def read_run(run_dir: Path) -> dict:
     if (run_dir / SCALE).is_file():
         with open(run_dir / SCALE) as f:
             out["scale"] = list(csv.DictReader(f))
-    for key, name in (("numerics", NUMERICS), ("system", SYSTEM)):
+    for key, name in (("numerics", NUMERICS), ("system", SYSTEM), ("grad_norm", GRAD_NORM)):
         out[key] = []
         if (run_dir / name).is_file():
             with open(run_dir / name) as f:

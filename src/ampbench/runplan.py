@@ -20,6 +20,7 @@ from ampbench.config import (
     ProfileConfig,
     TrainConfig,
     resolve_backend,
+    resolve_optimizer_impl,
     to_dict,
 )
 from ampbench.errors import ConfigError
@@ -58,8 +59,11 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") ->
         raise ConfigError(f"variant {variant!r} is not in params.yaml variants; "
                           f"defined: {', '.join(cfg.variants)}")
     v = cfg.variants[variant]
-    # target_acc is read by the report only, not a reason to retrain; TF32 follows the precision
-    train = dataclasses.replace(cfg.train, target_acc=0.0, allow_tf32=spec(v.precision).tf32)
+    # target_acc is read by the report only, not a reason to retrain; TF32 follows the precision; the optimizer's
+    # implementation is the variant's own where it sets one, resolved for the device
+    train = dataclasses.replace(cfg.train, target_acc=0.0, allow_tf32=spec(v.precision).tf32,
+                                optimizer_impl=resolve_optimizer_impl(v.optimizer_impl or cfg.train.optimizer_impl,
+                                                                      device))
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
                    amp=amp_settings(v.precision, cfg.amp), mlflow=cfg.mlflow, debug=cfg.debug,
@@ -73,8 +77,9 @@ def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
     """The plan of a batch-size sweep point's short run: ``precision`` with params.yaml's model, training
     settings and loss scale, in one process, uncompiled (each swept batch size would compile anew)."""
     return RunPlan(variant=f"sweep-{precision}", precision=precision, accum_steps=1, device=device, seed=cfg.seed,
-                   model=cfg.model, train=dataclasses.replace(cfg.train, compile=False,
-                                                              allow_tf32=spec(precision).tf32),
+                   model=cfg.model, train=dataclasses.replace(
+                       cfg.train, compile=False, allow_tf32=spec(precision).tf32,
+                       optimizer_impl=resolve_optimizer_impl(cfg.train.optimizer_impl, device)),
                    amp=amp_settings(precision, cfg.amp), mlflow=cfg.mlflow, ddp=False,
                    fp8_recipe=fp8_recipe(cfg) if spec(precision).float8 else None)
 
@@ -99,6 +104,7 @@ def read_plan(path: str | Path) -> RunPlan:
     if not path.is_file():
         raise ConfigError(f"{path}: no run plan; run the env_check stage first (dvc repro)")
     raw = json.loads(path.read_text())
+    raw["train"]["betas"] = tuple(raw["train"].get("betas", TrainConfig.betas))  # JSON gives a list
     return RunPlan(
         variant=raw["variant"], precision=raw["precision"], accum_steps=raw["accum_steps"],
         device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),

@@ -59,6 +59,7 @@ def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerpri
     parts = {"precision": precision, "batch": batch, "steps": cfg.sweep.steps, "seed": cfg.seed,
              "model": to_dict(cfg.model), "amp": to_dict(cfg.amp), "augment": cfg.train.augment,
              "limit": cfg.sweep.memory_limit_gib, "data": meta,
+             "optimizer": [cfg.train.optimizer, cfg.train.optimizer_impl, cfg.train.clip_grad_norm],
              "env": env_fingerprint, "model_source": model_source, "code": code}
     if spec(precision).float8:
         parts["fp8_recipe"] = runplan.fp8_recipe(cfg)
@@ -99,7 +100,8 @@ class Bench:
             with timer.data():
                 x, y = next(feed.epoch(i))
             with timer.compute():
-                step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch)
+                step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch,
+                                clip=self.cfg.train.clip_grad_norm)
             timer.step_done(len(y))
         timer.end()
         return timer
@@ -107,7 +109,8 @@ class Bench:
     def try_step(self, batch: int) -> None:
         """One optimizer step at ``batch``, waited for, so that an error of its kernels surfaces here."""
         x, y = next(self.batches(batch).epoch(0))
-        step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch)
+        step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch,
+                        clip=self.cfg.train.clip_grad_norm)
         clock.synchronize(self.device)
 
     def free(self) -> None:

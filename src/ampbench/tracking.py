@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -143,6 +144,8 @@ def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str
 def _series(run: dict) -> list[Metric]:
     """The loss scale per optimizer step, and the system samples per sampling step."""
     out = [Metric("train/loss_scale_by_step", float(r["scale"]), 0, int(r["step"])) for r in run["scale"]]
+    out += [Metric("train/grad_norm", v, 0, int(r["step"])) for r in run.get("grad_norm") or []
+            if (v := _metric_value(r["grad_norm"])) is not None and math.isfinite(v)]
     for i, row in enumerate(run.get("system") or []):
         for key, value in row.items():
             v = _metric_value(value)
@@ -157,7 +160,8 @@ def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, e
     charts itself) and its files. The figures are the report's, logged with the report run."""
     run = results.read_run(run_dir)
     m = run["metrics"]
-    files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.NUMERICS,
+    files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.GRAD_NORM,
+                                         results.NUMERICS,
                                          results.SYSTEM, results.TRACE)]
     tags = _tags("train", m["variant"], m, env_info, pipeline)
     tags["ampbench.status"] = m.get("status", "complete")

@@ -401,7 +401,7 @@ def for_config(cfg, batch: int | None = None, precisions: tuple[str, ...] | None
     y = torch.empty(batch, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     recipe = runplan.fp8_recipe(cfg)
-    ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: optimizer(plan, params), recipe)
+    ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: optimizer(plan, params, "foreach"), recipe)
            for p in precisions}
     return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
             "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}

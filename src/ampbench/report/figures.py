@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -105,6 +106,28 @@ def loss_scale(runs: dict[str, dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def grad_norm(runs: dict[str, dict], path: Path) -> Path | None:
+    """The gradient norm before clipping per optimizer step, every variant that recorded it, the clip marked."""
+    recorded = {n: r for n, r in runs.items() if r.get("grad_norm")}
+    if not recorded:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    clips = set()
+    for name, run in recorded.items():
+        rows = [(int(r["step"]), float(r["grad_norm"])) for r in run["grad_norm"]]
+        ax.plot(*zip(*[(s, v) for s, v in rows if math.isfinite(v)] or [(0, float("nan"))], strict=True),
+                linewidth=1, label=name)
+        if run["metrics"].get("clip_grad_norm"):
+            clips.add(float(run["metrics"]["clip_grad_norm"]))
+    for c in sorted(clips):
+        ax.axhline(c, color="black", linestyle="--", linewidth=1, label=f"clip_grad_norm {c:g}")
+    ax.set_yscale("log")
+    ax.set(xlabel="optimizer step", ylabel="total gradient norm",
+           title="Gradient norm before clipping (skipped fp16 steps left out)")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def audit(runs: dict[str, dict], path: Path) -> Path | None:
     """Per layer of the first audited variant: gradient values lost to fp16, unscaled and at the scale in use."""
     name = next((n for n, r in runs.items() if r["numerics"]), None)
@@ -202,5 +225,6 @@ def draw(summary: dict, runs: dict[str, dict], fig_dir: Path) -> list[Path]:
     """Every figure of the report into ``fig_dir``; the files written."""
     made = [throughput(runs, fig_dir / "throughput.png"), memory(runs, fig_dir / "memory.png"),
             curves(runs, fig_dir / "curves.png"), loss_scale(runs, fig_dir / "loss_scale.png"),
-            audit(runs, fig_dir / "numerics_audit.png"), profile(runs, fig_dir / "profile.png")]
+            grad_norm(runs, fig_dir / "grad_norm.png"), audit(runs, fig_dir / "numerics_audit.png"),
+            profile(runs, fig_dir / "profile.png")]
     return [p for p in made if p is not None] + sweep(summary.get("sweep"), fig_dir)

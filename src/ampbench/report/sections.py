@@ -8,6 +8,8 @@ them; the only ones that do not are the article's, quoted and labelled as such.
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 from ampbench.report import fmt
@@ -292,8 +294,30 @@ def memory(summary: dict, env: dict, runs: dict) -> list[str]:
         "process's peak RSS, which counts "
         "the interpreter and the data set too. Activations: bytes saved for backward, counted with "
         "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
-        "across devices. Parameters, gradients and the optimizer's momentum stay fp32 in every variant. The data "
-        "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", ""]
+        "across devices. Parameters, gradients and the optimizer's state (SGD's momentum: one value per parameter; "
+        "AdamW's two moments: two) stay fp32 in every variant. The data "
+        "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", "",
+        *_optimizer_state_outweighs(summary)]
+
+
+def _optimizer_state_outweighs(summary: dict) -> list[str]:
+    """Where the optimizer's fp32 state outweighs the activations a variant saves against the baseline (at the
+    variant's micro-batch): why AMP can save little memory, or none, for a model with many parameters."""
+    rows = summary["variants"]
+    base = rows.get(summary["baseline"]) or {}
+    b_act, b_micro = base.get("activation_bytes"), base.get("micro_batch_size")
+    out = []
+    for name, r in rows.items():
+        act, micro, state = r.get("activation_bytes"), r.get("micro_batch_size"), r.get("optimizer_state_bytes")
+        if name == summary["baseline"] or None in (b_act, b_micro, act, micro, state) or not b_micro:
+            continue
+        saved = b_act / b_micro * micro - act
+        if 0 < saved < state:
+            out.append(f"{name}: its optimizer state ({r.get('optimizer') or 'the optimizer'}, {fmt.size(state)}) "
+                       f"outweighs the activations it saves against {summary['baseline']} ({fmt.size(saved)} per "
+                       "micro-batch): for this model and batch, the precision cannot cut memory much; a larger batch "
+                       "or input raises the share it can.")
+    return [*out, ""] if out else []
 
 
 def gpu_state(summary: dict, env: dict, runs: dict) -> list[str]:
@@ -352,9 +376,49 @@ def safety(summary: dict, env: dict, runs: dict) -> list[str]:
                               "layers converted" for n, r in fp8)
                   + "); the rest of the model runs under bf16 autocast. The fp16 audit below does not apply to it.",
                   ""]
+    lines += _grad_norms(summary["baseline"], runs)
     for name, run in runs.items():
         if run.get("numerics"):
             lines += _audit(name, run)
+    return lines
+
+
+GRAD_NORM_RISE = 2.0  # a variant's late gradient norm this many times the baseline's is flagged
+
+
+def grad_norm_stats(run: dict) -> dict | None:
+    """A run's gradient norms before clipping (grad_norm.csv): median, largest and its step, the median of the
+    last tenth of the steps, the share clipped; None without finite norms (skipped fp16 steps' are inf)."""
+    rows = [(int(r["step"]), float(r["grad_norm"])) for r in run.get("grad_norm") or []]
+    finite = [(s, v) for s, v in rows if math.isfinite(v)]
+    if not finite:
+        return None
+    values = [v for _, v in finite]
+    step, largest = max(finite, key=lambda sv: sv[1])
+    clip = run["metrics"].get("clip_grad_norm")
+    return {"steps": len(rows), "median": statistics.median(values), "largest": largest, "largest_step": step,
+            "late": statistics.median(values[-max(1, len(values) // 10):]), "clip": clip,
+            "clipped": sum(v > clip for v in values) / len(values) if clip else None}
+
+
+def _grad_norms(baseline: str, runs: dict) -> list[str]:
+    stats = {n: s for n, r in runs.items() if (s := grad_norm_stats(r))}
+    if not stats:
+        return []
+    lines = ["Gradient norm before clipping, per optimizer step (figure `grad_norm.png`):", "",
+             "| variant | steps | median | largest (step) | median of the last tenth | clipped |",
+             "|---|---|---|---|---|---|"]
+    for n, s in stats.items():
+        clipped = f"{fmt.pct(s['clipped'])} of steps above {s['clip']:g}" if s["clip"] else "off"
+        lines.append(f"| {n} | {s['steps']} | {s['median']:.3g} | {s['largest']:.3g} ({s['largest_step']}) "
+                     f"| {s['late']:.3g} | {clipped} |")
+    base = stats.get(baseline)
+    risen = [n for n, s in stats.items() if base and n != baseline and s["late"] > GRAD_NORM_RISE * base["late"]]
+    lines += ["", "A gradient norm that rises in a low-precision run and not in the baseline is an early sign of "
+              "trouble: overflowing activations, a loss scale too high, a learning rate the precision cannot hold."
+              + (f" Risen against {baseline} (last tenth, more than {GRAD_NORM_RISE:g}x): "
+                 + ", ".join(f"{n} ({stats[n]['late'] / base['late']:.1f}x)" for n in risen) + "." if risen else ""),
+              ""]
     return lines
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 CHECKPOINT = "last.pt"
-FORMAT = 3  # the layout of the saved state; a checkpoint of another layout is not resumed
+FORMAT = 4  # the layout of the saved state (4: gradient norms); a checkpoint of another layout is not resumed
 
 
 def fingerprint(plan_dict: dict, data_meta: dict) -> str:

@@ -85,7 +85,14 @@ class Trainer:
         self.tf32 = tf32_flags()  # as build() set them
         self.train_batches, self.test_batches = make_batches(plan, data, world)
         self.steps_per_epoch = len(self.train_batches)
-        self.sched = setup.schedule(self.opt, plan.train.epochs * self.steps_per_epoch)
+        self.sched = setup.schedule(self.opt, plan.train.epochs * self.steps_per_epoch, self.scaler)
+        # a fused optimizer under fp16: skips known on the device, settled at the loop's syncs (``settle``)
+        self.deferred = setup.skips_on_device(self.opt, self.scaler)
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (found_inf, loss, images) per step
+        # the gradient norm before clipping, per optimizer step: kept on the device, read at the loop's syncs
+        self.log_norms = bool(plan.train.clip_grad_norm) or plan.train.log_grad_norm
+        self.pending_norms: list[torch.Tensor] = []
+        self.grad_norms: list[dict] = []
         if plan.train.batch_size % (world.size * plan.accum_steps):
             raise AmpbenchError(f"train.batch_size = {plan.train.batch_size} does not split into {world.size} "
                                 f"processes x accum_steps = {plan.accum_steps} equal micro-batches; choose a "
@@ -122,31 +129,49 @@ class Trainer:
 
     # --- one optimizer step ------------------------------------------------------------------
 
-    def optimizer_step(self, x: torch.Tensor, y: torch.Tensor) -> bool:
-        """Train on one batch; return True if the scaler skipped the step (an inf/NaN gradient)."""
+    def optimizer_step(self, x: torch.Tensor, y: torch.Tensor) -> bool | None:
+        """Train on one batch; return True if the scaler skipped the step (an inf/NaN gradient), or None where
+        only the device knows yet (a fused optimizer under fp16: ``settle`` accounts for it at the next sync)."""
         n = len(y)
         self.last_batch = (x, y)  # kept (not copied) for a diagnosis if this step goes non-finite
         # this rank's share of the global batch, times the world: DDP's mean over ranks is the batch's mean
         # (exactly 1 in one process, and wherever the slices are equal)
         weight = n * self.world.size / self.train_batches.global_count(self.step_in_epoch)
         taken = self.taken.count
-        loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro, weight)
+        loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro, weight,
+                               self.plan.train.clip_grad_norm, self.pending_norms if self.log_norms else None)
+        if self.deferred:
+            found_inf = self.taken.found_inf
+            self.sched.step(found_inf)  # on the device: the schedule advances only if the step was taken
+            self.loss_sum.add_(torch.where(torch.isfinite(loss), loss, 0.0), alpha=n)  # settle uncounts the rest
+            self.seen += n
+            self.pending.append((found_inf, loss.detach(), n))
+            return None
         skipped = self.taken.count == taken  # GradScaler's one sync decided it; no second one here
         nonfinite_loss = False
-        if self.host_scale is not None:
-            scale = self.host_scale.update(skipped)  # the scale GradScaler now holds, without reading it
-            if scale != self.last_scale:
-                self.scale_history.append({"step": self.global_step + 1, "scale": scale, "skipped": skipped})
-            self.last_scale = scale
+        if self.host_scale is not None and skipped:
             # Only a skipped step can carry an inf/NaN loss; asking costs a sync on those steps alone. Every
             # rank skips the same steps (the all-reduced gradients are the same), and all count a loss that
             # went inf/NaN on any rank, so their counters and the decision to stop stay the same.
-            if skipped:
-                nonfinite_loss = self.world.reduce([float(not torch.isfinite(loss))], "max")[0] > 0
+            nonfinite_loss = self.world.reduce([float(not torch.isfinite(loss))], "max")[0] > 0
+        if not skipped:
+            self.sched.step()  # a skipped step did not change the weights, so neither does the LR schedule
+        if not nonfinite_loss:
+            self.loss_sum.add_(loss, alpha=n)
+            self.seen += n
+        self.account(self.global_step + 1, skipped, nonfinite_loss)
+        return skipped
+
+    def account(self, step_number: int, skipped: bool, nonfinite_loss: bool) -> None:
+        """The host's counters after optimizer step ``step_number``: skipped steps, the loss scale and its history,
+        inf/NaN losses in a row (stopping the run at amp.max_consecutive_nonfinite)."""
+        if self.host_scale is not None:
+            scale = self.host_scale.update(skipped)  # the scale GradScaler now holds, without reading it
+            if scale != self.last_scale:
+                self.scale_history.append({"step": step_number, "scale": scale, "skipped": skipped})
+            self.last_scale = scale
         if skipped:
-            self.skipped += 1  # the weights did not change, so neither does the LR schedule
-        else:
-            self.sched.step()
+            self.skipped += 1
         if nonfinite_loss:
             self.nonfinite_steps += 1
             self.consecutive_nonfinite += 1
@@ -155,9 +180,28 @@ class Trainer:
                           f"(amp.max_consecutive_nonfinite = {self.max_nonfinite})")
         else:
             self.consecutive_nonfinite = 0
-            self.loss_sum.add_(loss, alpha=n)
-            self.seen += n
-        return skipped
+
+    def settle(self) -> None:
+        """At a sync the loop makes anyway: read the gradient norms kept on the device, and account for the steps
+        whose skip only the device knew (a fused optimizer under fp16): one read of their found-inf flags and loss
+        checks. The ranks agree on the skips (the
+        gradients are all-reduced) and take the largest of their inf/NaN-loss flags, as the host path does."""
+        if self.pending_norms:
+            first = self.global_step - len(self.pending_norms) + 1
+            values = torch.stack([n.reshape(()).float() for n in self.pending_norms]).tolist()
+            self.grad_norms += [{"step": first + i, "grad_norm": v} for i, v in enumerate(values)]
+            self.pending_norms = []
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        flags = torch.stack([torch.stack([f.reshape(()).float(), (~torch.isfinite(loss)).float()])
+                             for f, loss, _ in pending]).tolist()
+        nonfinite = self.world.reduce([bad for _, bad in flags], "max")
+        first = self.global_step - len(pending) + 1
+        for i, ((skipped, _), bad, (_, _, n)) in enumerate(zip(flags, nonfinite, pending, strict=True)):
+            if bad > 0:
+                self.seen -= n  # its loss was left out of the sum on the device
+            self.account(first + i, skipped > 0, bad > 0)
 
     def fail(self, why: str) -> None:
         """Stop the run with a diagnosis: which module first produced inf/NaN, and which gradient."""
@@ -197,12 +241,14 @@ class Trainer:
                 self.step_in_epoch += 1
                 bar.update(1)
                 if self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch:
+                    self.settle()  # gradient norms, a fused optimizer's skips: read where the loop syncs anyway
                     mean_loss = self.mean_loss()  # a sync every 25 steps
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.sched.get_last_lr()[0]:.3g}")
                     if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
                         self.fail("the training loss became inf/NaN")
             ep_images, ep_ms = self.clock.end()  # the last step's cycle ends with the loop, as the others do
         bar.close()
+        self.settle()  # a stop mid-window: before the checkpoint
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
         # all ranks' images per wall second of the slowest rank; the ranks' scalers must agree
@@ -255,11 +301,12 @@ class Trainer:
     # --- checkpoints ---------------------------------------------------------------------------
 
     _SCALARS = ("epoch", "step_in_epoch", "global_step", "skipped", "last_scale", "scale_history", "history",
-                "best_acc", "seen", "nonfinite_steps", "consecutive_nonfinite")
+                "best_acc", "seen", "nonfinite_steps", "consecutive_nonfinite", "grad_norms")
 
     def state_dict(self) -> dict:
         """The whole training state; under DDP every rank calls it (the epoch's loss sum and image count are summed
         over the ranks and resume on rank 0; the clock counts every rank's images already), and rank 0 writes it."""
+        self.settle()
         state = {k: getattr(self, k) for k in self._SCALARS}
         loss_sum, seen = self.world.reduce([self.loss_sum.item(), self.seen])
         state["seen"] = int(seen)

@@ -20,6 +20,7 @@ class RunResult:
     metrics: dict                                      # one flat-ish dict: metrics.json
     history: list[dict] = field(default_factory=list)  # one row per epoch
     scale_history: list[dict] = field(default_factory=list)  # every loss-scale change: step, scale, skipped
+    grad_norms: list[dict] = field(default_factory=list)  # the gradient norm before clipping: step, grad_norm
     step_times_ms: list[float] = field(default_factory=list)  # timed (post-warm-up) steps, end to end
     step_rates: list[float] = field(default_factory=list)     # the same steps' images per second
     numerics: list[dict] = field(default_factory=list)  # the fp16 audit, one row per layer
@@ -93,9 +94,12 @@ def run_result(t) -> RunResult:
         "data_source": t.data_meta["source"],
         "fp8_recipe": plan.fp8_recipe,  # fp8 only: torchao's recipe, and how many layers it converted
         "fp8_layers": fp8_layers,
+        "optimizer": plan.train.optimizer, "optimizer_impl": plan.train.optimizer_impl,
+        "clip_grad_norm": plan.train.clip_grad_norm or None,
+        "grad_norm_logged": t.log_norms,  # one norm per timed step too: part of what was timed
     }
     if not c.cycle_ms:
         metrics["timing_note"] = (f"no step was timed: every step fell within train.warmup_steps = "
                                   f"{plan.train.warmup_steps}")
-    return RunResult(metrics=metrics, history=t.history, scale_history=t.scale_history,
+    return RunResult(metrics=metrics, history=t.history, scale_history=t.scale_history, grad_norms=t.grad_norms,
                      step_times_ms=c.cycle_ms, step_rates=rates)

@@ -195,7 +195,8 @@ def profile_run(trainer, steps: int) -> tuple[dict, str]:
 
     def train(x, y, sync: bool = True) -> None:
         with distributed.sync_context(s.step_model, sync):  # sync=False: no all-reduce at all
-            step_fn.train_step(s.step_model, s.opt, s.scaler, s.policy, x, y, trainer.micro)
+            step_fn.train_step(s.step_model, s.opt, s.scaler, s.policy, x, y, trainer.micro,
+                               clip=trainer.plan.train.clip_grad_norm, norms=[] if trainer.log_norms else None)
 
     def step(sync: bool = True) -> None:
         with record_function(DATA_SCOPE):  # the engine's data path: index, crop, flip, normalise on the device

@@ -48,14 +48,27 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
 
 def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                policy: PrecisionPolicy, x: torch.Tensor, y: torch.Tensor, micro: int,
-               weight: float = 1.0) -> torch.Tensor:
+               weight: float = 1.0, clip: float = 0.0, norms: list | None = None) -> torch.Tensor:
     """One optimizer step, as PyTorch's AMP recipe writes it; the batch's mean loss, left on the device.
 
-    The training loop and the step profile both run this, so the profile shows the step that was timed.
+    ``clip`` > 0 clips the gradients' total norm to it; with ``norms`` (a list) the total norm before clipping is
+    appended to it, a device tensor (no sync). Either way it happens once per optimizer step, after the last
+    micro-batch (and DDP's all-reduce, which that micro-batch's backward waits for), and under fp16 after
+    ``scaler.unscale_``: clipping the scaled gradients would clip at ``clip`` times the loss scale (pytorch
+    #40907). ``scaler.step`` then does not unscale twice, and still skips a step whose gradients hold inf/NaN
+    (its norm is inf or NaN). The training loop and the step profile both run this, so the profile shows the
+    step that was timed.
     """
     opt.zero_grad(set_to_none=True)
     loss = accumulate_gradients(model, x, y, micro, policy, scaler, weight)
-    scaler.step(opt)  # unscales, and skips the update if any gradient is inf/NaN
+    if clip or norms is not None:
+        scaler.unscale_(opt)  # a no-op on a disabled scaler
+        grads = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
+        norm = (torch.nn.utils.clip_grad_norm_(grads, clip) if clip
+                else torch.nn.utils.get_total_norm([p.grad for p in grads]))
+        if norms is not None:
+            norms.append(norm)
+    scaler.step(opt)  # unscales (if not done above), and skips the update if any gradient is inf/NaN
     scaler.update()   # once per optimizer step, not per micro-batch
     return loss
 
@@ -65,15 +78,21 @@ class TakenSteps:
 
     ``GradScaler.step`` checks the unscaled gradients for inf/NaN (its one sync, an ``.item()``) and calls
     ``optimizer.step()`` only when there were none, so a post-step hook on the optimizer sees exactly the steps
-    taken: a step whose count did not move was skipped. A disabled scaler always steps. (A fused optimizer
-    would break this: its ``step()`` always runs and skips on the device, with no sync at all; there the skip is
-    known only on the device, so the LR schedule would have to follow it on the device or catch up at the next
-    sync, and the counters be read there too.)
+    taken: a step whose count did not move was skipped. A disabled scaler always steps.
+
+    A fused optimizer breaks this: GradScaler hands it the found-inf flag on the device (``opt.found_inf``) and
+    its ``step()`` always runs, skipping the update on the device, with no sync at all. A pre-step hook keeps that
+    flag (``found_inf``); the trainer then follows the LR schedule on the device (``setup.DeviceSchedule``) and
+    reads the flags, with the counters they drive, at its next sync (``Trainer.settle``).
     """
 
     def __init__(self, opt: torch.optim.Optimizer):
         self.count = 0
-        self._handle = opt.register_step_post_hook(self._taken)
+        self.found_inf: torch.Tensor | None = None
+        self._handles = (opt.register_step_pre_hook(self._before), opt.register_step_post_hook(self._taken))
+
+    def _before(self, opt, args, kwargs) -> None:
+        self.found_inf = getattr(opt, "found_inf", None)
 
     def _taken(self, opt, args, kwargs) -> None:
         self.count += 1

@@ -1,0 +1,179 @@
+"""The optimizer as users train with it: SGD or AdamW, each with its own defaults, in a fused, foreach or
+for-loop implementation, and a fused optimizer's skipped fp16 steps followed on the device."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from ampbench import config, data, results, runplan
+from ampbench.errors import ConfigError
+from ampbench.precision import PrecisionPolicy
+from ampbench.report import figures, sections
+from ampbench.train import runner, setup, step
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prepared")
+    data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, out, out / "raw")
+    return data.load_prepared(out, "cpu")
+
+
+def test_adamw_gets_its_own_defaults_and_an_sgd_learning_rate_is_refused():
+    cfg = config.from_dict({"train": {"optimizer": "adamw"}})
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.betas) == (1e-3, 0.05, (0.9, 0.999))
+    assert config.from_dict({}).train.lr == 0.1  # SGD's, as before
+    with pytest.raises(ConfigError, match=r"train.lr = 0.1 is an SGD learning rate; .*set train.lr to about 0.001"):
+        config.from_dict({"train": {"optimizer": "adamw", "lr": 0.1}})
+    with pytest.raises(ConfigError, match=r"train.betas = \[0.9\] has 1 values; give exactly 2"):
+        config.from_dict({"train": {"optimizer": "adamw", "betas": [0.9]}})
+    assert config.from_dict({"train": {"optimizer": "adamw", "betas": [0.9, 0.9]}}).train.betas == (0.9, 0.9)
+    with pytest.raises(ConfigError, match="optimizer_impl = 'fast' is not allowed; choose one of"):
+        config.from_dict({"variants": {"a": {"precision": "fp16", "optimizer_impl": "fast"}}})
+
+
+def test_the_plan_resolves_the_implementation_per_variant_and_device(tmp_path):
+    cfg = config.from_dict({"train": {"optimizer": "adamw"},
+                            "variants": {"fp32": {"precision": "fp32"},
+                                         "loop": {"precision": "fp32", "optimizer_impl": "for_loop"}}})
+    assert runplan.make_plan(cfg, "fp32", "cpu").train.optimizer_impl == "foreach"
+    assert runplan.make_plan(cfg, "fp32", "cuda").train.optimizer_impl == "fused"
+    assert runplan.make_plan(cfg, "loop", "cuda").train.optimizer_impl == "for_loop"
+    plan = runplan.make_plan(cfg, "loop", "cpu")
+    runplan.write_plan(plan, tmp_path / "p.json")
+    assert runplan.read_plan(tmp_path / "p.json") == plan  # betas come back as the tuple they were
+    for impl, flags in (("fused", (True, None)), ("foreach", (None, True)), ("for_loop", (None, False))):
+        opt = setup.optimizer(plan, nn.Linear(2, 2).parameters(), impl)
+        assert isinstance(opt, torch.optim.AdamW) and (opt.defaults["fused"], opt.defaults["foreach"]) == flags
+        assert opt.defaults["weight_decay"] == 0.05 and opt.defaults["betas"] == (0.9, 0.999)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")  # the host schedule's optimizer never steps here
+def test_the_device_schedule_follows_the_steps_taken_as_the_host_schedule_does():
+    """Fed each step's found-inf flag, the device schedule gives the LR LambdaLR gives when stepped on the steps
+    taken only, without a sync."""
+    lin = nn.Linear(2, 2)
+    dev_opt = torch.optim.SGD(lin.parameters(), lr=0.4, fused=True)
+    host_opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.4)
+    dev, host = setup.DeviceSchedule(dev_opt, 60), setup.schedule(host_opt, 60)
+    assert dev.get_last_lr() == pytest.approx(host.get_last_lr())
+    for i in range(60):
+        skipped = i in (1, 2, 40)
+        dev.step(torch.tensor(float(skipped)))
+        if not skipped:
+            host.step()
+        assert dev.get_last_lr() == pytest.approx(host.get_last_lr(), rel=1e-6, abs=1e-9), i
+    state = dev.state_dict()
+    again = setup.DeviceSchedule(torch.optim.SGD(lin.parameters(), lr=0.4, fused=True), 60)
+    again.load_state_dict(state)
+    assert state == {"taken": 57} and again.get_last_lr() == pytest.approx(host.get_last_lr(), rel=1e-6)
+
+
+def _overflow_at(monkeypatch, n: int) -> None:
+    real = step.accumulate_gradients
+    calls = {"n": 0}
+
+    def poisoned(model, *args):
+        loss = real(model, *args)
+        calls["n"] += 1
+        if calls["n"] == n:
+            next(model.parameters()).grad[0].fill_(float("inf"))
+        return loss
+
+    monkeypatch.setattr(step, "accumulate_gradients", poisoned)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_fused_optimizer_under_fp16_skips_and_schedules_as_foreach_does(tiny_params, tiny_data, monkeypatch,
+                                                                        optimizer):
+    """One overflow on the third of six steps: the fused run (its skip known only on the device, settled at the
+    loop's syncs) counts the same skipped step, scale history and learning rates as the foreach run, and trains
+    the same weights."""
+    lr = 0.1 if optimizer == "sgd" else 0.001
+    tiny_params["train"].update(epochs=3, optimizer=optimizer, lr=lr)
+    results = {}
+    for impl in ("foreach", "fused"):
+        tiny_params["variants"]["amp"]["optimizer_impl"] = impl
+        plan = runplan.make_plan(config.from_dict(tiny_params), "amp", "cpu")
+        _overflow_at(monkeypatch, 3)
+        results[impl] = runner.train(plan, tiny_data, progress=False)
+        monkeypatch.undo()
+    fused, foreach = results["fused"], results["foreach"]
+    assert fused.metrics["optimizer_impl"] == "fused" and fused.metrics["optimizer"] == optimizer
+    assert fused.metrics["skipped_steps"] == foreach.metrics["skipped_steps"] == 1
+    assert fused.scale_history == foreach.scale_history == [{"step": 0, "scale": 8192.0, "skipped": False},
+                                                            {"step": 3, "scale": 4096.0, "skipped": True}]
+    assert [r["lr"] for r in fused.history] == pytest.approx([r["lr"] for r in foreach.history], rel=1e-5)
+    assert fused.metrics["final_loss"] == pytest.approx(foreach.metrics["final_loss"], rel=1e-3)
+    assert math.isfinite(fused.metrics["final_loss"])
+
+
+def test_the_report_says_when_optimizer_state_outweighs_the_activations_saved():
+    summary = {"baseline": "fp32", "variants": {
+        "fp32": {"activation_bytes": 4000, "micro_batch_size": 32, "optimizer_state_bytes": 2000},
+        "amp": {"activation_bytes": 3000, "micro_batch_size": 32, "optimizer_state_bytes": 2000,
+                "optimizer": "adamw"},
+        "amp_accum": {"activation_bytes": 250, "micro_batch_size": 8, "optimizer_state_bytes": 500}}}
+    lines = sections._optimizer_state_outweighs(summary)
+    assert len(lines) == 2 and lines[0].startswith("amp: its optimizer state (adamw, ")
+    assert "outweighs the activations it saves against fp32" in lines[0]  # amp_accum saves 750 > 500: no line
+
+
+def _clipped_update(precision: str, micro: int, clip: float, n: int = 32, model=None):
+    """One train_step of a BatchNorm-free model (SGD, lr 1, no momentum: the update is minus the clipped
+    gradient); the update and the norm recorded before clipping."""
+    torch.manual_seed(0)
+    model = model or nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+    policy = PrecisionPolicy(precision, "cpu", config.AmpConfig(init_scale=8192.0) if precision == "fp16" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    norms: list = []
+    step.train_step(model, opt, policy.scaler(), policy, x, y, micro, clip=clip, norms=norms)
+    return [p.detach() - b for p, b in zip(model.parameters(), before, strict=True)], float(norms[0])
+
+
+def _rel(a, b) -> float:
+    return max(((u - v).abs().max() / v.abs().max()).item() for u, v in zip(a, b, strict=True))
+
+
+def test_fp16_clips_the_unscaled_gradients_as_fp32_does():
+    """The update fp16 makes with clipping equals fp32's: the norm is the unscaled gradients' (clipping the
+    scaled ones would clip at max_norm x 8192 and leave the update 8192x too small)."""
+    fp32, norm32 = _clipped_update("fp32", 32, clip=0.05)
+    fp16, norm16 = _clipped_update("fp16", 32, clip=0.05)
+    assert norm32 > 0.05 * 2  # clipping is active
+    assert norm16 == pytest.approx(norm32, rel=1e-2)
+    total = math.sqrt(sum(float(u.pow(2).sum()) for u in fp16))
+    diff = math.sqrt(sum(float((u - v).pow(2).sum()) for u, v in zip(fp16, fp32, strict=True)))
+    assert total == pytest.approx(0.05, rel=1e-3) and diff / 0.05 < 5e-2  # fp16 rounding (2% here), not a scale
+    _, unclipped = _clipped_update("fp32", 32, clip=0.0)  # norms without clipping: the same norm, no clip
+    assert unclipped == pytest.approx(norm32, rel=1e-6)
+
+
+def test_accumulation_clips_once_the_full_batch_gradient():
+    full, norm_full = _clipped_update("fp32", 32, clip=0.05)
+    accum, norm_accum = _clipped_update("fp32", 8, clip=0.05)
+    assert norm_accum == pytest.approx(norm_full, rel=1e-5) and _rel(accum, full) < 1e-5
+
+
+def test_clipping_and_the_norms_reach_the_run_files(tiny_params, tiny_data, tmp_path):
+    tiny_params["train"].update(epochs=2, clip_grad_norm=0.5)
+    result = runner.train(runplan.make_plan(config.from_dict(tiny_params), "amp", "cpu"), tiny_data,
+                          progress=False)
+    assert [r["step"] for r in result.grad_norms] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in result.grad_norms)
+    assert result.metrics["clip_grad_norm"] == 0.5 and result.metrics["grad_norm_logged"] is True
+    results.write_run(tmp_path, result.metrics, result.history, result.scale_history, result.step_times_ms,
+                      grad_norms=result.grad_norms)
+    run = results.read_run(tmp_path)
+    stats = sections.grad_norm_stats(run)
+    assert stats["steps"] == 4 and stats["clip"] == 0.5
+    lines = sections._grad_norms("amp", {"amp": run})
+    assert lines[2].startswith("| variant | steps | median") and lines[4].startswith("| amp | 4 |")
+    assert figures.grad_norm({"amp": run}, tmp_path / "g.png").is_file()
