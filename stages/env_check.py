@@ -64,11 +64,15 @@ def main() -> None:
     desc = data.describe(cfg.data)  # the data source checks its own files (an archive, a folder) first
     info = env.probe()
     device = env.resolve_device(cfg.device, info, {v.precision for v in cfg.variants.values()})
-    env.check_fits(data.resident_bytes(desc, cfg.train.augment), desc, device, info)
     model = models.check(cfg.model, num_classes=desc["num_classes"],
                          image_size=models.input_size(cfg.model, desc["image_size"]))
+    placement, why = env.choose_placement(
+        cfg.data.placement, data.resident_bytes(desc, cfg.train.augment),
+        env.training_state_bytes(model["param_count"], cfg.train.optimizer, cfg.train.momentum), desc, device, info)
+    workers = config.resolve_workers(cfg.data.workers, info.get("cpu_count"), cfg.distributed.nproc_per_node)
     source = models.source_record(cfg.model)  # the factory imported and hashed once, for the plans and the sweep
-    plans = {name: runplan.make_plan(cfg, name, device, source["factory_source"]) for name in cfg.variants}
+    plans = {name: runplan.make_plan(cfg, name, device, source["factory_source"], placement, workers)
+             for name in cfg.variants}
     env.check_distributed(cfg.distributed, device, info, {p.grad_comm for p in plans.values() if p.ddp})
     models.check_unused(model, cfg.model, cfg.distributed, any(p.ddp for p in plans.values()))
     size = models.input_size(cfg.model, desc["image_size"])
@@ -89,6 +93,8 @@ def main() -> None:
              f"{config.resolve_backend(cfg.distributed, device)})" if cfg.distributed.nproc_per_node > 1 else ""))
     print(f"env_check: model {model['model']} ({model['param_count']:,} parameters), data {cfg.data.source}: "
           f"{desc['train_count']:,} train / {desc['test_count']:,} test images, {desc['num_classes']} classes")
+    print(f"env_check: data placement {placement} ({why})"
+          + (f", {workers} DataLoader worker(s) per process" if placement == "stream" else ""))
 
     try:
         counted = roofline.record(cfg, gpu["name"] if gpu else None)
@@ -108,7 +114,9 @@ def main() -> None:
 
     atomic_write(Path(args.env), json.dumps(info, indent=2, sort_keys=True) + "\n")
     atomic_write(Path(args.roofline), json.dumps(counted, indent=2, sort_keys=True) + "\n")
-    atomic_write(Path(args.data_source), json.dumps({"data": config.to_dict(cfg.data), "seed": cfg.seed, **desc},
+    # what the data stage makes: not how training places it (a placement change does not prepare the set again)
+    made = {k: v for k, v in config.to_dict(cfg.data).items() if k not in ("placement", "workers")}
+    atomic_write(Path(args.data_source), json.dumps({"data": made, "seed": cfg.seed, **desc},
                                                     indent=2, sort_keys=True) + "\n")
     atomic_write(Path(args.model_source), json.dumps(source, indent=2, sort_keys=True) + "\n")
     plan_dir = Path(args.plans)

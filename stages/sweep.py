@@ -41,7 +41,7 @@ def main() -> None:
     from ampbench import data, env, sweep
     info = json.loads(Path(args.env).read_text())
     device = torch.device(env.resolve_device(cfg.device, info, set(config.sweep_precisions(cfg))))
-    prepared = data.load_prepared(Path(args.data), device)
+    prepared = data.load_prepared(Path(args.data), device, stream=True)  # a point reads only the images it uses
     model_source = json.loads(Path(args.model_source).read_text())
     result = sweep.run_sweep(cfg, prepared, device, out, env.fingerprint(info), model_source)
     print(f"sweep: {result['measured_points']} point(s) measured, {result['reused_points']} reused -> {out}")

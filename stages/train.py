@@ -51,7 +51,7 @@ def main() -> None:
 
 def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.World) -> None:
     info = json.loads(Path(args.env).read_text())
-    prepared = data.load_prepared(Path(args.data), plan.device)
+    prepared = data.load_prepared(Path(args.data), plan.device, stream=plan.placement == "stream")
     out = Path(args.out)
     monitor = sysmon.SystemMonitor(interval_s=0.5, gpu_uuid=sysmon.device_uuid(world.device(plan.device)))
     started = datetime.now(UTC).isoformat(timespec="seconds")  # the order the variants ran in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,11 +27,11 @@ def setup(tmp_path_factory):
     return root
 
 
-def _plan(root: Path, name: str, lr: float = 0.1) -> Path:
+def _plan(root: Path, name: str, lr: float = 0.1, placement: str = "device") -> Path:
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
                             "train": {"epochs": 4, "batch_size": 64, "warmup_steps": 2, "lr": lr}})
     path = root / f"{name}.json"
-    runplan.write_plan(runplan.make_plan(cfg, "fp32", "cpu"), path)
+    runplan.write_plan(runplan.make_plan(cfg, "fp32", "cpu", placement=placement, workers=2), path)
     return path
 
 
@@ -54,8 +55,8 @@ def reference(setup):
     return _history(setup, "ref")
 
 
-def _start_and_wait_for_checkpoint(root: Path, cmd: list[str], out: str) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start_and_wait_for_checkpoint(root: Path, cmd: list[str], out: str, **kw) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
     ckpt = root / f"ckpt-{out}" / "repeat1" / "last.pt"
     deadline = time.time() + 300
     while not ckpt.exists():
@@ -131,3 +132,40 @@ def test_killed_dvc_repro_resumes_from_the_persisted_checkpoint(tmp_path):
     assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
     assert json.loads((repo / "reports" / "runs" / "fp32" / "metrics.json").read_text())["optimizer_steps"] == 256
     assert [p.name for p in (repo / "checkpoints" / "fp32").iterdir()] == ["COMPLETE"]
+
+
+@pytest.fixture(scope="module")
+def stream_reference(setup):
+    proc = subprocess.run(_cmd(setup, _plan(setup, "sref", placement="stream"), "sref"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return _history(setup, "sref")
+
+
+def test_streamed_run_resumes_mid_epoch_after_ctrl_c_to_its_workers_too(setup, stream_reference):
+    """Ctrl-C from a terminal reaches the whole process group, DataLoader workers included: they ignore it, the
+    run stops at a step boundary mid-epoch, and resumes there to the uninterrupted streamed run's history."""
+    cmd = _cmd(setup, _plan(setup, "sint", placement="stream"), "sint")
+    proc = _start_and_wait_for_checkpoint(setup, cmd, "sint", start_new_session=True)
+    time.sleep(0.3)  # into the next epoch, its workers running
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted at epoch" in err and "Traceback" not in err and "KeyboardInterrupt" not in err
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    resumed = again.stdout.split("resuming from the checkpoint at epoch ")[1]
+    assert not resumed.split(" of ")[0].endswith("step 0")  # mid-epoch: the streamed batches start where it stopped
+    assert _history(setup, "sint") == stream_reference
+
+
+def test_streamed_run_resumes_after_sigkill(setup, stream_reference):
+    cmd = _cmd(setup, _plan(setup, "skill", placement="stream"), "skill")
+    proc = _start_and_wait_for_checkpoint(setup, cmd, "skill", start_new_session=True)
+    time.sleep(0.3)
+    os.killpg(proc.pid, signal.SIGKILL)  # the training process and its workers
+    proc.wait()
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming from the checkpoint at epoch" in again.stdout
+    assert _history(setup, "skill") == stream_reference

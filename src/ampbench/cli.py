@@ -2,7 +2,7 @@
 
     ampbench demo            # the same DVC pipeline on the CPU, synthetic data, small model; results in demo/
     ampbench demo --nproc-per-node 2   # the same, data-parallel over 2 processes (torchrun, gloo)
-    ampbench demo --arch vit_tiny --ladder   # a transformer at every precision: fp32, tf32, bf16, fp16, fp8
+    ampbench demo --arch vit_tiny --ladder --optimizer adamw   # a transformer at every precision: fp32 ... fp8
     ampbench mlflow-sync     # log the on-disk runs that are not in MLflow yet (after a tracking outage)
     ampbench mlflow-ui       # the MLflow UI on this repository's store, opened on the runs table
     ampbench roofline --gpu "RTX 5090"   # what each precision could give there at most, for params.yaml's model
@@ -26,10 +26,13 @@ LADDER = {"fp32": {"precision": "fp32", "accum_steps": 1}, "tf32": {"precision":
           "fp8": {"precision": "fp8", "accum_steps": 1}}
 
 
-def demo(dest: Path, arch: str = "", nproc: int = 1, ladder: bool = False) -> None:
+def demo(dest: Path, arch: str = "", nproc: int = 1, ladder: bool = False, optimizer: str = "") -> None:
     params = sandbox.demo_params()
     if arch:  # e.g. vit_tiny: the same demo, another model
         params = sandbox.merge(params, {"model": {"arch": arch}})
+    if optimizer and optimizer != params.get("train", {}).get("optimizer", "sgd"):
+        train = {k: v for k, v in params.get("train", {}).items() if k not in ("lr", "weight_decay")}
+        params["train"] = {**train, "optimizer": optimizer}  # that optimizer's own lr and weight decay
     if ladder:  # every precision once: strict fp32, tf32, bf16, fp16, fp8
         params["variants"] = LADDER
     if nproc > 1:  # DDP, beside one-process runs of the same variants
@@ -126,6 +129,9 @@ def main() -> None:
     d.add_argument("--ladder", action="store_true",
                    help="the variants fp32, tf32, bf16, amp (fp16) and fp8 instead of params.yaml's (fp8 converts "
                         "Linear layers: use it with --arch vit_tiny)")
+    d.add_argument("--optimizer", choices=config.OPTIMIZERS, default="",
+                   help="train.optimizer for the demo, with that optimizer's own lr and weight decay "
+                        "(adamw trains a ViT; SGD at lr 0.1 does not)")
     d.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                    help="train under torchrun with N processes (gloo), each variant also once in one process "
                         "for the scaling efficiency, and fp32 with fp16 gradient communication")
@@ -147,7 +153,7 @@ def main() -> None:
     elif args.command == "mlflow-ui":
         run_cli(lambda: mlflow_ui(args))
     elif args.command == "demo":
-        run_cli(lambda: demo(Path(args.dir), args.arch, args.nproc_per_node, args.ladder))
+        run_cli(lambda: demo(Path(args.dir), args.arch, args.nproc_per_node, args.ladder, args.optimizer))
     elif args.command == "mlflow-sync":
         run_cli(lambda: mlflow_sync(args))
 

@@ -26,6 +26,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float
 DATA_SOURCES = ("cifar10", "cifar100", "folder", "synthetic")  # each is a source in data.SOURCES
 ARCH_NAMES = ("resnet18", "small_cnn", "vit_tiny")  # built in; "tv:<name>" is any torchvision classifier
 OPTIMIZERS = ("sgd", "adamw")
+PLACEMENTS = ("auto", "device", "stream")  # auto: device when the set fits beside the model, else stream
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for_loop")  # auto: fused on CUDA, foreach elsewhere
 # Each optimizer's own defaults for what params.yaml leaves out: SGD's lr 0.1 makes AdamW diverge, and AdamW's
 # decoupled weight decay is not SGD's L2 penalty.
@@ -53,6 +54,8 @@ class DataConfig:
     image_size: int = _opt(32, lo=8)  # source folder: images are resized to image_size x image_size once
     train_size: int = _opt(0, lo=0)  # training images to use (0 = all)
     test_size: int = _opt(0, lo=0)   # evaluation images to use (0 = all; a folder without splits holds out 10%)
+    placement: str = _opt("auto", choices=PLACEMENTS)  # device: the set resident on the device; stream: DataLoader
+    workers: int = _opt(-1, lo=-1)   # stream: worker processes (-1 = the cores / distributed.nproc_per_node)
 
 
 @dataclass(frozen=True)
@@ -382,6 +385,11 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def variant_world(cfg: Config, variant: str) -> int:
     """Processes per machine the variant trains in: distributed.nproc_per_node, or 1 with ddp: false."""
     return cfg.distributed.nproc_per_node if cfg.variants[variant].ddp else 1
+
+
+def resolve_workers(workers: int, cpu_count: int | None, nproc: int) -> int:
+    """data.workers with -1 resolved: this machine's cores shared among the training processes, at least one."""
+    return workers if workers >= 0 else max(1, (cpu_count or 1) // nproc)
 
 
 def resolve_optimizer_impl(impl: str, device: str) -> str:

@@ -208,19 +208,66 @@ def check_distributed(cfg, device: str, info: dict, grad_comms: set[str]) -> Non
                                       f"capability {info['gpu']['capability']}) has none; use grad_comm: fp16")
 
 
-def check_fits(nbytes: int, desc: dict, device: str, info: dict, share: float = 0.9) -> None:
-    """Stop before training when the device-resident data set alone would take most of the device's memory."""
+MEMORY_CAP_ENV = "AMPBENCH_DEVICE_MEMORY_BYTES"  # a smaller device than the one probed (tests; room for others)
+DATA_SHARE = 0.5  # the most of the memory the model leaves that a resident set may take (the rest: activations)
+
+
+def device_memory(device: str, info: dict) -> tuple[int, str]:
+    """The training device's memory in bytes and its name in words (``AMPBENCH_DEVICE_MEMORY_BYTES`` caps it)."""
     if device == "cuda" and info.get("gpu"):
         total, what = info["gpu"]["total_memory_bytes"], f"{info['gpu']['name']}'s memory"
     else:
         total, what = psutil.virtual_memory().total, "this machine's memory"
+    cap = os.environ.get(MEMORY_CAP_ENV, "")
+    if cap:
+        try:
+            total, what = min(total, int(cap)), f"{what}, capped by {MEMORY_CAP_ENV}"
+        except ValueError:
+            raise EnvironmentMismatch(f"{MEMORY_CAP_ENV} = {cap!r} is not a number of bytes; set it to an integer "
+                                      "such as 8589934592 (8 GiB), or unset it") from None
+    return total, what
+
+
+def _set_words(nbytes: int, desc: dict) -> str:
+    s = desc["image_size"]
+    return (f"about {nbytes / 2**30:.1f} GiB ({desc['train_count']:,} train + {desc['test_count']:,} test images of "
+            f"3 x {s} x {s} uint8)")
+
+
+def check_fits(nbytes: int, desc: dict, device: str, info: dict, share: float = 0.9) -> None:
+    """Stop before training when the device-resident data set alone would take most of the device's memory."""
+    total, what = device_memory(device, info)
     if nbytes > share * total:
-        s = desc["image_size"]
         raise EnvironmentMismatch(
-            f"the data set would take about {nbytes / 2**30:.1f} GiB on the {device} device "
-            f"({desc['train_count']:,} train + {desc['test_count']:,} test images of 3 x {s} x {s} uint8), "
-            f"more than {share:.0%} of {what} ({total / 2**30:.1f} GiB); lower data.image_size or "
-            "data.train_size")
+            f"the data set would take {_set_words(nbytes, desc)} on the {device} device, more than {share:.0%} of "
+            f"{what} ({total / 2**30:.1f} GiB); set data.placement: stream (or auto) to stream it from host "
+            "memory, or lower data.image_size or data.train_size")
+
+
+def training_state_bytes(param_count: int, optimizer: str, momentum: float) -> int:
+    """fp32 weights, gradients and optimizer state (AdamW's two moments; SGD's momentum buffer, if any)."""
+    states = 2 if optimizer == "adamw" else int(momentum > 0)
+    return 4 * param_count * (2 + states)
+
+
+def choose_placement(placement: str, nbytes: int, model_bytes: int, desc: dict, device: str,
+                     info: dict) -> tuple[str, str]:
+    """data.placement resolved, and why: ``auto`` keeps the set on the device when it takes at most half of the
+    memory that the model's weights, gradients and optimizer state leave (the other half is for activations and
+    workspace), and streams it otherwise; ``device`` stops here when the set alone would not fit."""
+    total, what = device_memory(device, info)
+    room = max(0, total - model_bytes)
+    words = f"the set, {nbytes / 2**30:.2f} GiB,"
+    if placement == "device":
+        check_fits(nbytes, desc, device, info)
+        return "device", "data.placement: device"
+    if placement == "stream":
+        return "stream", "data.placement: stream"
+    if nbytes <= DATA_SHARE * room:
+        return "device", (f"auto: {words} fits beside the model in {what} ({total / 2**30:.1f} GiB, "
+                          f"{model_bytes / 2**30:.2f} GiB for weights, gradients and optimizer state)")
+    return "stream", (f"auto: {words} would take more than {DATA_SHARE:.0%} of the {room / 2**30:.1f} GiB the model "
+                      f"leaves of {what}, so it streams from host memory")
 
 
 def fingerprint(info: dict) -> str:

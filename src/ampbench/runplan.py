@@ -52,9 +52,12 @@ class RunPlan:
     grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
     find_unused_parameters: bool = False  # DDP's find_unused_parameters (only where ddp is true)
     fp8_recipe: str | None = None  # fp8 only: torchao's float8 recipe (absent from other plans' files)
+    placement: str = "device"     # resolved data.placement: device | stream
+    workers: int = 0              # stream only: DataLoader worker processes (both absent from a device plan's file)
 
 
-def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") -> RunPlan:
+def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", placement: str = "device",
+              workers: int = 0) -> RunPlan:
     if variant not in cfg.variants:
         raise ConfigError(f"variant {variant!r} is not in params.yaml variants; "
                           f"defined: {', '.join(cfg.variants)}")
@@ -70,7 +73,8 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "") ->
                    model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
                    grad_comm=v.grad_comm or cfg.distributed.grad_comm,
                    find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters,
-                   fp8_recipe=v.fp8_recipe if spec(v.precision).float8 else None)
+                   fp8_recipe=v.fp8_recipe if spec(v.precision).float8 else None,
+                   placement=placement, workers=workers if placement == "stream" else 0)
 
 
 def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
@@ -90,12 +94,14 @@ def fp8_recipe(cfg: Config) -> str:
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:
-    """The plan as JSON; ``fp8_recipe`` only in an fp8 plan, so the other plans' files (train-stage deps) stay
-    as they were before fp8 existed and their stages do not rerun."""
+    """The plan as JSON; ``fp8_recipe`` only in an fp8 plan and the data placement only when it streams, so the
+    other plans' files (train-stage deps) stay as they were before these existed and their stages do not rerun."""
     path.parent.mkdir(parents=True, exist_ok=True)
     d = to_dict(plan)
     if d["fp8_recipe"] is None:
         del d["fp8_recipe"]
+    if d["placement"] == "device":
+        del d["placement"], d["workers"]
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
@@ -113,4 +119,4 @@ def read_plan(path: str | Path) -> RunPlan:
         profile=ProfileConfig(**raw.get("profile", {})),
         model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
         grad_comm=raw.get("grad_comm", "none"), find_unused_parameters=raw.get("find_unused_parameters", False),
-        fp8_recipe=raw.get("fp8_recipe"))
+        fp8_recipe=raw.get("fp8_recipe"), placement=raw.get("placement", "device"), workers=raw.get("workers", 0))

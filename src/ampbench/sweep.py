@@ -83,11 +83,12 @@ class Bench:
 
     def batches(self, batch: int) -> DeviceBatches:
         """``batch`` images drawn from the training set (with replacement when it holds fewer)."""
-        x, y = self.data["train"]
+        x, y = self.data["train"]  # wherever the set is (the sweep stage leaves it memory-mapped on the host)
         g = torch.Generator(device=x.device).manual_seed(self.cfg.seed + batch)
         idx = torch.randint(0, len(y), (batch,), device=x.device, generator=g)
         meta = self.data["meta"]
-        return DeviceBatches(x[idx], y[idx], batch, meta["mean"], meta["std"], augment=self.cfg.train.augment,
+        x, y = x[idx].to(self.device), y[idx].to(self.device)  # only the images a point trains on go to the device
+        return DeviceBatches(x, y, batch, meta["mean"], meta["std"], augment=self.cfg.train.augment,
                              shuffle=True, channels_last=self.cfg.model.channels_last, seed=self.cfg.seed,
                              out_size=self.input_size)
 

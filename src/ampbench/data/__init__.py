@@ -7,7 +7,8 @@ The prepared set is ``train.pt`` / ``test.pt`` (uint8 images N x 3 x H x W,
 int64 labels) plus ``meta.json`` (counts, classes, image shape, mean and std),
 written to a temporary folder and renamed, so a later stage never reads a
 half-written set. ``DeviceBatches`` keeps the whole set on the training device
-and augments there (random crop with padding, flip).
+and augments there (random crop with padding, flip); ``StreamBatches`` (``data.placement: stream``) leaves it
+memory-mapped in host memory and streams each batch to the device through DataLoader workers.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ import torch
 from ampbench.config import DataConfig
 from ampbench.data import cifar, folder
 from ampbench.data import synthetic as synthetic_source
-from ampbench.data.batches import DeviceBatches
+from ampbench.data.batches import Batches, DeviceBatches
 from ampbench.data.cifar import ARCHIVE_NAME
+from ampbench.data.stream import StreamBatches
 from ampbench.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from ampbench.data.synthetic import splits as synthetic_splits
 from ampbench.data.synthetic import synthetic
 from ampbench.errors import DataError
 
-__all__ = ["ARCHIVE_NAME", "DeviceBatches", "describe", "load_prepared", "prepare", "resident_bytes", "synthetic",
-           "synthetic_in_memory", "synthetic_splits"]
+__all__ = ["ARCHIVE_NAME", "Batches", "DeviceBatches", "StreamBatches", "describe", "load_prepared", "prepare",
+           "resident_bytes", "synthetic", "synthetic_in_memory", "synthetic_splits"]
 
 PAD = 4  # the augmentation's crop padding, stored with the set on the device
 # The sources, by data.source: each module has describe(cfg) -> dict, read(cfg, seed, raw_dir) -> (splits,
@@ -110,8 +112,9 @@ def synthetic_in_memory(n_train: int, n_test: int, seed: int, device: str | torc
     return {"meta": meta, **{k: tuple(t.to(device) for t in v) for k, v in splits.items()}}
 
 
-def load_prepared(folder_: Path, device: str | torch.device) -> dict:
-    """Load and check a prepared set, moving it onto ``device`` once."""
+def load_prepared(folder_: Path, device: str | torch.device, stream: bool = False) -> dict:
+    """Load and check a prepared set, moving it onto ``device`` once; with ``stream``, memory-mapped and left in
+    host memory (read image by image as batches are drawn)."""
     folder_ = Path(folder_)
     meta_path = folder_ / "meta.json"
     if not meta_path.is_file():
@@ -122,7 +125,7 @@ def load_prepared(folder_: Path, device: str | torch.device) -> dict:
     shape, classes = tuple(meta["image_shape"]), meta["num_classes"]
     out = {"meta": meta}
     for split in ("train", "test"):
-        blob = torch.load(folder_ / f"{split}.pt", map_location="cpu", weights_only=True)
+        blob = torch.load(folder_ / f"{split}.pt", map_location="cpu", weights_only=True, mmap=stream)
         x, y = blob["images"], blob["labels"]
         count = meta[f"{split}_count"]
         problem = None
@@ -135,5 +138,5 @@ def load_prepared(folder_: Path, device: str | torch.device) -> dict:
         if problem:
             raise DataError(f"{folder_}/{split}.pt is damaged ({problem}); rerun the data stage "
                             "(dvc repro -f data)")
-        out[split] = (x.to(device), y.to(device))
+        out[split] = (x, y) if stream else (x.to(device), y.to(device))
     return out

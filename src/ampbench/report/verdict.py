@@ -19,7 +19,7 @@ def _reasons(r: dict, base: dict, env: dict) -> list[str]:
         out.append("this ran on a CPU, which has no fp16 tensor cores: fp16 arithmetic is emulated there")
     elif not gpu.get("tensor_cores"):
         out.append(f"{gpu['name']} has no tensor cores")
-    if (r.get("data_time_fraction") or 0) > 0.3:
+    if (r.get("data_time_fraction") or 0) > 0.3 and r.get("data_placement") != "stream":  # stream: input_sentence
         out.append(f"data loading took {r['data_time_fraction']:.0%} of each step")
     if gpu and (r.get("step_time_ms_median") or 1e9) < 5:
         out.append(f"steps are short ({r['step_time_ms_median']:.1f} ms), so kernel launch overhead weighs heavily")
@@ -137,6 +137,25 @@ def scaling_sentence(s: dict | None) -> str:
     return f" Data-parallel over {world} processes ({backend}): {'; '.join(parts)}."
 
 
+INPUT_BOUND = 0.10  # a streamed variant whose device waited longer than this share of each step for data
+
+
+def input_sentence(summary: dict, env: dict) -> str:
+    """Streamed variants whose device waited for data: that part of the step no precision can speed up."""
+    device = env["gpu"]["name"] if env.get("gpu") else "the CPU"
+    parts = []
+    for name, r in summary["variants"].items():
+        share = r.get("data_time_fraction")
+        if r.get("data_placement") == "stream" and share is not None and share > INPUT_BOUND:
+            parts.append(f"{device} waited {share:.0%} of each {name} step for data")
+    if not parts:
+        return ""
+    workers = {r.get("data_workers") for r in summary["variants"].values() if r.get("data_placement") == "stream"}
+    now = f" ({', '.join(str(w) for w in sorted(workers, key=str))} now)" if workers else ""
+    return (f" Input-bound: {'; '.join(parts)}: a faster precision cannot speed that part; raise data.workers{now}, "
+            "or keep the set on the device (data.placement: device) if it fits.")
+
+
 def ladder_sentence(summary: dict, env: dict) -> str:
     """Every variant against strict fp32 and against tf32: "fp16: 2.1x strict fp32, 1.3x TF32"."""
     tf32, base = summary.get("tf32_baseline"), summary.get("baseline")
@@ -163,5 +182,6 @@ def ladder_sentence(summary: dict, env: dict) -> str:
 
 def paragraph(summary: dict, env: dict) -> str:
     """The whole first paragraph."""
-    return (verdict(summary, env) + ladder_sentence(summary, env) + sweep_sentence(summary.get("sweep"))
+    return (verdict(summary, env) + input_sentence(summary, env) + ladder_sentence(summary, env)
+            + sweep_sentence(summary.get("sweep"))
             + scaling_sentence(summary.get("scaling")))

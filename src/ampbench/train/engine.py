@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ampbench import models
-from ampbench.data import DeviceBatches
+from ampbench.data import Batches, DeviceBatches, StreamBatches
 from ampbench.errors import AmpbenchError, NonFiniteTraining
 from ampbench.measure import clock, flops, memory
 from ampbench.precision import PrecisionPolicy, micro_batch_size, tf32_flags
@@ -29,19 +29,25 @@ from ampbench.runplan import RunPlan
 from ampbench.train import distributed, numerics, probes, setup, step
 
 
-def make_batches(plan: RunPlan, data: dict, world: distributed.World = distributed.SINGLE,
-                 ) -> tuple[DeviceBatches, DeviceBatches]:
+def make_batches(plan: RunPlan, data: dict, world: distributed.World = distributed.SINGLE) -> tuple[Batches, Batches]:
+    """The training and evaluation batches in the plan's placement: resident on the device, or streamed to it
+    (``data`` then holds the prepared set in host memory, ``load_prepared(..., stream=True)``)."""
     meta = data["meta"]
     common = dict(mean=meta["mean"], std=meta["std"], channels_last=plan.model.channels_last,
                   out_size=models.input_size(plan.model, meta["image_shape"][-1]), shard=(world.rank, world.size))
+    if plan.placement == "stream":
+        kind = StreamBatches
+        common.update(device=world.device(torch.device(plan.device).type), workers=plan.workers)
+    else:
+        kind = DeviceBatches
     # the last partial batch is dropped: its new shape would autotune cuDNN (or recompile) inside a timed step
-    train = DeviceBatches(*data["train"], plan.train.batch_size, augment=plan.train.augment, shuffle=True,
-                          drop_last=True, seed=plan.seed, **common)
-    test = DeviceBatches(*data["test"], plan.train.eval_batch_size, augment=False, shuffle=False, **common)
+    train = kind(*data["train"], plan.train.batch_size, augment=plan.train.augment, shuffle=True,
+                 drop_last=True, seed=plan.seed, **common)
+    test = kind(*data["test"], plan.train.eval_batch_size, augment=False, shuffle=False, **common)
     return train, test
 
 
-def evaluate(model: torch.nn.Module, batches: DeviceBatches, policy: PrecisionPolicy,
+def evaluate(model: torch.nn.Module, batches: Batches, policy: PrecisionPolicy,
              world: distributed.World = distributed.SINGLE) -> dict:
     """Accuracy and mean loss over the evaluation set, in the variant's precision.
 
@@ -219,9 +225,7 @@ class Trainer:
     def run_epoch(self) -> dict | None:
         """Train to the end of the current epoch (or a requested stop) and evaluate; the history row."""
         plan, epoch = self.plan, self.epoch
-        batches = self.train_batches.epoch(epoch)
-        for _ in range(self.step_in_epoch):  # resuming mid-epoch: replay the same order and augmentation
-            next(batches)
+        batches = self.train_batches.epoch(epoch, start=self.step_in_epoch)  # resumed mid-epoch: the same batches
         mean_loss = None
         bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, disable=not self.progress, unit="step",
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")

@@ -92,6 +92,8 @@ def run_result(t) -> RunResult:
         "torch": torch.__version__, "train_images": t.counts[0], "test_images": t.counts[1],
         "train_images_per_epoch": t.train_batches.used,  # the last partial batch is dropped
         "data_source": t.data_meta["source"],
+        "data_placement": plan.placement,  # device: resident there; stream: DataLoader workers from host memory
+        "data_workers": plan.workers if plan.placement == "stream" else None,
         "fp8_recipe": plan.fp8_recipe,  # fp8 only: torchao's recipe, and how many layers it converted
         "fp8_layers": fp8_layers,
         "optimizer": plan.train.optimizer, "optimizer_impl": plan.train.optimizer_impl,
