@@ -156,3 +156,19 @@ def test_the_verdict_calls_a_streamed_variant_input_bound(tmp_path):
     assert "Input-bound: the CPU waited 38% of each amp step for data: a faster precision cannot speed that " \
            "part; raise data.workers (2 now)" in verdict
     assert "each fp32 step" not in verdict  # 5%: not input-bound
+
+
+def test_one_set_of_workers_serves_every_epoch(monkeypatch):
+    """Workers start once, at the first batch (a warm-up step), not again at each epoch's first, timed, step."""
+    real = stream._Crops.__getitem__
+
+    def tagged(self, key):
+        x, y = real(self, key)
+        return x, torch.full_like(y, os.getpid())
+
+    monkeypatch.setattr(stream._Crops, "__getitem__", tagged)
+    x, y = _set()
+    b = _stream(x, y, workers=1)
+    next(b.epoch(0))  # a probe's single batch, as the trainer takes one before training
+    pids = {int(pid) for e in range(3) for _, labels in b.epoch(e) for pid in labels.tolist()}
+    assert len(pids) == 1 and os.getpid() not in pids

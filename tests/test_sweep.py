@@ -199,6 +199,8 @@ def test_the_sweep_key_covers_what_the_sweep_runs_and_the_users_model():
     assert sweep.point_key(*args) == key
     assert sweep.point_key(*args[:5], {"model": "small_cnn", "factory_source": "abc"}, "code1") != key  # a factory
     assert sweep.point_key(*args[:6], "code2") != key  # ampbench's code
+    no_momentum = config.from_dict({"device": "cpu", "train": {"momentum": 0.0}})  # no buffer: less memory
+    assert sweep.point_key(no_momentum, *args[1:]) != key
 
 
 def test_a_memory_cap_on_cuda_names_the_device_index(monkeypatch):

@@ -59,7 +59,8 @@ def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerpri
     parts = {"precision": precision, "batch": batch, "steps": cfg.sweep.steps, "seed": cfg.seed,
              "model": to_dict(cfg.model), "amp": to_dict(cfg.amp), "augment": cfg.train.augment,
              "limit": cfg.sweep.memory_limit_gib, "data": meta,
-             "optimizer": [cfg.train.optimizer, cfg.train.optimizer_impl, cfg.train.clip_grad_norm],
+             "optimizer": [cfg.train.optimizer, cfg.train.optimizer_impl, cfg.train.clip_grad_norm,
+                           cfg.train.momentum, cfg.train.weight_decay],  # momentum 0: no buffer, less memory
              "env": env_fingerprint, "model_source": model_source, "code": code}
     if spec(precision).float8:
         parts["fp8_recipe"] = runplan.fp8_recipe(cfg)

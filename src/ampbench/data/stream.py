@@ -6,23 +6,25 @@ Randomness is per sample, from (seed, epoch, index), never from a worker's RNG: 
 the number of workers, a resumed run starts at any batch of an epoch exactly, and under data parallelism each
 rank reads only its slice of every global batch and augments it as one process would. The order of an epoch
 comes from the same (seed, epoch) generator as ``DeviceBatches``'s, on the CPU (the two placements need not
-match bit for bit). Workers ignore SIGINT: a Ctrl-C reaches the training process alone, which stops at a step
+match bit for bit). The workers persist from epoch to epoch (started once, at the first batch, which is a
+warm-up step). Workers ignore SIGINT: a Ctrl-C reaches the training process alone, which stops at a step
 boundary and shuts its workers down, with no traceback from them.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 import signal
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ampbench.data.batches import Batches
 
-PREFETCH = 4  # batches each worker prepares ahead of the step
+PREFETCH = 2  # batches each worker prepares ahead of the step (each one a batch in shared memory)
 
 
 def sample_draws(seed: int, epoch: int, index: int, pad: int) -> tuple[int, int, bool]:
@@ -53,6 +55,20 @@ class _Crops(Dataset):
         return x.permute(0, 2, 3, 1).contiguous(), self.labels[idx]
 
 
+class _EpochKeys(Sampler):
+    """The keys of the epoch the loader runs next, set in the training process before each pass: one loader, and
+    one set of worker processes, serves every epoch (no workers started inside a timed step)."""
+
+    def __init__(self):
+        self.keys: list = []
+
+    def __iter__(self):
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
 def _worker_init(_: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     torch.set_num_threads(1)  # one core per worker: the workers, not their threads, run side by side
@@ -70,9 +86,14 @@ class StreamBatches(Batches):
         super().__init__(n, (c, h, w), batch_size, mean, std, augment=augment, shuffle=shuffle,
                          channels_last=channels_last, seed=seed, pad=pad, out_size=out_size, shard=shard,
                          drop_last=drop_last, device=device)
-        self.dataset = _Crops(images, labels, self.pad, seed)
         self.workers = workers
-        self.pin = self.device.type == "cuda"
+        self.sampler = _EpochKeys()
+        # fork: the workers share the memory-mapped set (spawn or forkserver would pickle it into each worker)
+        context = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
+        self.loader = DataLoader(_Crops(images, labels, self.pad, seed), sampler=self.sampler, batch_size=None,
+                                 num_workers=workers, pin_memory=self.device.type == "cuda",
+                                 worker_init_fn=_worker_init, prefetch_factor=PREFETCH if workers else None,
+                                 persistent_workers=workers > 0, multiprocessing_context=context)
 
     @property
     def nbytes(self) -> int:
@@ -89,9 +110,7 @@ class StreamBatches(Batches):
         return out
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        loader = DataLoader(self.dataset, sampler=self.keys(epoch, start), batch_size=None,
-                            num_workers=self.workers, pin_memory=self.pin, worker_init_fn=_worker_init,
-                            prefetch_factor=PREFETCH if self.workers else None)
-        for x, y in loader:
+        self.sampler.keys = self.keys(epoch, start)
+        for x, y in self.loader:  # a new pass resets the persistent workers, dropping what an unfinished one left
             x = x.to(self.device, non_blocking=True)
             yield self.normalise(x), y.to(self.device, non_blocking=True)

@@ -66,7 +66,8 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     torchrun every rank runs this; rank 0 alone writes the checkpoints, and every rank resumes from them.
     """
     trainer = Trainer(plan, data, progress=progress, world=world)
-    fp = checkpoint.fingerprint({**to_dict(plan), "world_size": world.size}, data["meta"])
+    # the worker count does not change the batches: a checkpoint resumes under any
+    fp = checkpoint.fingerprint({**to_dict(plan), "workers": None, "world_size": world.size}, data["meta"])
     state = checkpoint.load(checkpoint_dir, fp, discard=world.main)
     distributed.check_agree(world, "the checkpoint to resume from",
                             None if state is None else (state["epoch"], state["global_step"]))
