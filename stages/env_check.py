@@ -69,7 +69,7 @@ def main() -> None:
     placement, why = env.choose_placement(
         cfg.data.placement, data.resident_bytes(desc, cfg.train.augment),
         env.training_state_bytes(model["param_count"], cfg.train.optimizer, cfg.train.momentum), desc, device, info)
-    workers = config.resolve_workers(cfg.data.workers, info.get("cpu_count"), cfg.distributed.nproc_per_node)
+    workers = config.resolve_workers(cfg.data.workers, env.usable_cores(), cfg.distributed.nproc_per_node)
     source = models.source_record(cfg.model)  # the factory imported and hashed once, for the plans and the sweep
     plans = {name: runplan.make_plan(cfg, name, device, source["factory_source"], placement, workers)
              for name in cfg.variants}

@@ -124,6 +124,8 @@ def test_auto_places_the_set_on_the_device_when_it_fits_and_streams_it_otherwise
     monkeypatch.setenv(env.MEMORY_CAP_ENV, "8GB")
     with pytest.raises(EnvironmentMismatch, match="AMPBENCH_DEVICE_MEMORY_BYTES = '8GB' is not a number of bytes"):
         env.choose_placement("auto", nbytes, 0, desc, "cuda", gpu)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)  # taskset / a container
+    assert env.usable_cores() == 3
     assert env.training_state_bytes(1000, "adamw", 0.9) == 16_000
     assert env.training_state_bytes(1000, "sgd", 0.9) == 12_000
 

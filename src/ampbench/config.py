@@ -55,7 +55,7 @@ class DataConfig:
     train_size: int = _opt(0, lo=0)  # training images to use (0 = all)
     test_size: int = _opt(0, lo=0)   # evaluation images to use (0 = all; a folder without splits holds out 10%)
     placement: str = _opt("auto", choices=PLACEMENTS)  # device: the set resident on the device; stream: DataLoader
-    workers: int = _opt(-1, lo=-1)   # stream: worker processes (-1 = the cores / distributed.nproc_per_node)
+    workers: int = _opt(-1, lo=-1)   # stream: worker processes (-1 = usable cores / distributed.nproc_per_node)
 
 
 @dataclass(frozen=True)

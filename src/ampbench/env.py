@@ -244,6 +244,14 @@ def check_fits(nbytes: int, desc: dict, device: str, info: dict, share: float = 
             "memory, or lower data.image_size or data.train_size")
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's limit), not the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no affinity API on this platform
+        return os.cpu_count() or 1
+
+
 def training_state_bytes(param_count: int, optimizer: str, momentum: float) -> int:
     """fp32 weights, gradients and optimizer state (AdamW's two moments; SGD's momentum buffer, if any)."""
     states = 2 if optimizer == "adamw" else int(momentum > 0)
