@@ -88,3 +88,19 @@ def make_cifar_archive(folder: Path, per_batch: int = 6, test_count: int = 8, se
     path = folder / ("cifar-10-python.tar.gz" if kind == "cifar10" else "cifar-100-python.tar.gz")
     path.write_bytes(buf.getvalue())
     return path, hashlib.md5(buf.getvalue()).hexdigest(), arrays
+
+
+def overflow_at(monkeypatch, n: int) -> None:
+    """The ``n``-th optimizer step's gradients get an inf, as an fp16 overflow would leave them."""
+    from ampbench.train import step
+    real = step.accumulate_gradients
+    calls = {"n": 0}
+
+    def poisoned(model, *args):
+        loss = real(model, *args)
+        calls["n"] += 1
+        if calls["n"] == n:
+            next(model.parameters()).grad[0].fill_(float("inf"))
+        return loss
+
+    monkeypatch.setattr(step, "accumulate_gradients", poisoned)

@@ -14,6 +14,7 @@ from ampbench.errors import ConfigError
 from ampbench.precision import PrecisionPolicy
 from ampbench.report import figures, sections
 from ampbench.train import runner, setup, step
+from tests.conftest import overflow_at
 
 
 @pytest.fixture(scope="module")
@@ -73,20 +74,6 @@ def test_the_device_schedule_follows_the_steps_taken_as_the_host_schedule_does()
     assert state == {"taken": 57} and again.get_last_lr() == pytest.approx(host.get_last_lr(), rel=1e-6)
 
 
-def _overflow_at(monkeypatch, n: int) -> None:
-    real = step.accumulate_gradients
-    calls = {"n": 0}
-
-    def poisoned(model, *args):
-        loss = real(model, *args)
-        calls["n"] += 1
-        if calls["n"] == n:
-            next(model.parameters()).grad[0].fill_(float("inf"))
-        return loss
-
-    monkeypatch.setattr(step, "accumulate_gradients", poisoned)
-
-
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_a_fused_optimizer_under_fp16_skips_and_schedules_as_foreach_does(tiny_params, tiny_data, monkeypatch,
                                                                         optimizer):
@@ -99,7 +86,7 @@ def test_a_fused_optimizer_under_fp16_skips_and_schedules_as_foreach_does(tiny_p
     for impl in ("foreach", "fused"):
         tiny_params["variants"]["amp"]["optimizer_impl"] = impl
         plan = runplan.make_plan(config.from_dict(tiny_params), "amp", "cpu")
-        _overflow_at(monkeypatch, 3)
+        overflow_at(monkeypatch, 3)
         results[impl] = runner.train(plan, tiny_data, progress=False)
         monkeypatch.undo()
     fused, foreach = results["fused"], results["foreach"]

@@ -10,6 +10,7 @@ from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig
 from ampbench.precision import PrecisionPolicy, micro_batch_size
 from ampbench.train import engine, runner, setup, step
+from tests.conftest import overflow_at
 
 
 def test_policy_per_precision():
@@ -93,24 +94,9 @@ def test_fp16_saves_activation_memory(tiny_params, tiny_data):
     assert accum["activation_bytes"] < 0.4 * amp["activation_bytes"]  # a quarter of the batch per forward
 
 
-def _overflow_at(monkeypatch, n: int) -> None:
-    """The ``n``-th optimizer step's gradients get an inf, as an fp16 overflow would leave them."""
-    real = step.accumulate_gradients
-    calls = {"n": 0}
-
-    def poisoned(model, *args):
-        loss = real(model, *args)
-        calls["n"] += 1
-        if calls["n"] == n:
-            next(model.parameters()).grad[0].fill_(float("inf"))
-        return loss
-
-    monkeypatch.setattr(step, "accumulate_gradients", poisoned)
-
-
 def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeypatch):
     """An inf gradient: the step is skipped (weights unchanged), counted, and the scale backs off."""
-    _overflow_at(monkeypatch, 1)
+    overflow_at(monkeypatch, 1)
     result = runner.train(_plan(tiny_params, "amp"), tiny_data, progress=False)
     m = result.metrics
     assert m["skipped_steps"] == 1 and m["final_loss_scale"] == 4096
@@ -150,7 +136,7 @@ def test_an_fp16_step_syncs_the_host_once(tiny_params, tiny_data, monkeypatch):
     reads = []
     real = torch.amp.GradScaler.get_scale
     monkeypatch.setattr(torch.amp.GradScaler, "get_scale", lambda self: reads.append(1) or real(self))
-    _overflow_at(monkeypatch, 2)  # the second step overflows: it must still be seen as skipped
+    overflow_at(monkeypatch, 2)  # the second step overflows: it must still be seen as skipped
     tiny_params["train"]["epochs"] = 2
     trainer = engine.Trainer(_plan(tiny_params, "amp", epochs=2), tiny_data, progress=False)
     reads.clear()
