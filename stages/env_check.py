@@ -50,6 +50,14 @@ def check_fp8(cfg: config.Config, device: str, image_size: int, num_classes: int
     return found, warnings
 
 
+def _last(path: Path) -> dict | None:
+    """The last data_source.json this stage wrote, if any (a folder's header check is reused when unchanged)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default="params.yaml")
@@ -61,7 +69,8 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = config.load(args.params)  # every check happens before anything is written
-    desc = data.describe(cfg.data)  # the data source checks its own files (an archive, a folder) first
+    # the data source checks its own files (an archive, a folder) first; a folder's last check is reused
+    desc = data.describe(cfg.data, _last(Path(args.data_source)))
     info = env.probe()
     device = env.resolve_device(cfg.device, info, {v.precision for v in cfg.variants.values()})
     model = models.check(cfg.model, num_classes=desc["num_classes"],
@@ -70,6 +79,11 @@ def main() -> None:
         cfg.data.placement, data.resident_bytes(desc, cfg.train.augment),
         env.training_state_bytes(model["param_count"], cfg.train.optimizer, cfg.train.momentum), desc, device, info)
     workers = config.resolve_workers(cfg.data.workers, env.usable_cores(), cfg.distributed.nproc_per_node)
+    shm = None
+    if placement == "stream":
+        nproc, side = cfg.distributed.nproc_per_node, desc["image_size"]
+        batch = -(-max(cfg.train.batch_size, cfg.train.eval_batch_size) // nproc)  # one rank's share
+        shm = env.check_shared_memory(workers, data.stream.PREFETCH, batch * (3 * side * side + 8), nproc)
     source = models.source_record(cfg.model)  # the factory imported and hashed once, for the plans and the sweep
     plans = {name: runplan.make_plan(cfg, name, device, source["factory_source"], placement, workers)
              for name in cfg.variants}
@@ -78,7 +92,8 @@ def main() -> None:
     size = models.input_size(cfg.model, desc["image_size"])
     fp8, fp8_warnings = check_fp8(cfg, device, size, desc["num_classes"])
     for warning in env.warnings_for(info) + precision.notes({v.precision for v in cfg.variants.values()},
-                                                              info["gpu"]) + fp8_warnings:
+                                                              info["gpu"]) + fp8_warnings \
+            + data.folder.bad_file_lines(desc) + ([shm] if shm else []):
         print(f"warning: {warning}")
     if cfg.mlflow.enabled:
         uri = config.tracking_uri(cfg.mlflow, Path.cwd())
@@ -115,7 +130,10 @@ def main() -> None:
     atomic_write(Path(args.env), json.dumps(info, indent=2, sort_keys=True) + "\n")
     atomic_write(Path(args.roofline), json.dumps(counted, indent=2, sort_keys=True) + "\n")
     # what the data stage makes: not how training places it (a placement change does not prepare the set again)
-    made = {k: v for k, v in config.to_dict(cfg.data).items() if k not in ("placement", "workers")}
+    made = {k: v for k, v in config.to_dict(cfg.data).items()
+            if k not in ("placement", "workers") and (k != "bad_files" or cfg.data.source == "folder")}
+    if cfg.data.source == "folder" and placement == "stream":
+        made["form"] = "files"  # a streamed folder is listed, not decoded into data/prepared (not stored twice)
     atomic_write(Path(args.data_source), json.dumps({"data": made, "seed": cfg.seed, **desc},
                                                     indent=2, sort_keys=True) + "\n")
     atomic_write(Path(args.model_source), json.dumps(source, indent=2, sort_keys=True) + "\n")

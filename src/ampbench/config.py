@@ -26,6 +26,7 @@ FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float
 DATA_SOURCES = ("cifar10", "cifar100", "folder", "synthetic")  # each is a source in data.SOURCES
 ARCH_NAMES = ("resnet18", "small_cnn", "vit_tiny")  # built in; "tv:<name>" is any torchvision classifier
 OPTIMIZERS = ("sgd", "adamw")
+BAD_FILES = ("skip", "stop")
 PLACEMENTS = ("auto", "device", "stream")  # auto: device when the set fits beside the model, else stream
 OPTIMIZER_IMPLS = ("auto", "fused", "foreach", "for_loop")  # auto: fused on CUDA, foreach elsewhere
 # Each optimizer's own defaults for what params.yaml leaves out: SGD's lr 0.1 makes AdamW diverge, and AdamW's
@@ -56,6 +57,8 @@ class DataConfig:
     test_size: int = _opt(0, lo=0)   # evaluation images to use (0 = all; a folder without splits holds out 10%)
     placement: str = _opt("auto", choices=PLACEMENTS)  # device: the set resident on the device; stream: DataLoader
     workers: int = _opt(-1, lo=-1)   # stream: worker processes (-1 = usable cores / distributed.nproc_per_node)
+    bad_files: str = _opt("skip", choices=BAD_FILES)  # source folder: an unreadable image is skipped, named in a
+    # warning (skip), or stops the stage, named (stop); files that are not images by suffix are always skipped
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import math
 import os
 import platform
 import re
@@ -250,6 +251,31 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity API on this platform
         return os.cpu_count() or 1
+
+
+SHM = "/dev/shm"
+
+
+def check_shared_memory(workers: int, batches_in_flight: int, batch_bytes: int, nproc: int,
+                        path: str = SHM) -> str | None:
+    """DataLoader workers hand each batch to the training process through shared memory (/dev/shm on Linux):
+    stop when the batches in flight cannot fit there (a worker would die with a bus error mid-epoch), and warn
+    when they would take more than half of it. Containers often have little: Docker gives 64 MiB by default."""
+    if not workers or not os.path.isdir(path):
+        return None
+    need = nproc * workers * batches_in_flight * batch_bytes
+    free = shutil.disk_usage(path).free
+    words = (f"{nproc} process(es) x {workers} worker(s) x {batches_in_flight} batches in flight x "
+             f"{batch_bytes / 2**20:.1f} MiB = {need / 2**20:,.0f} MiB of shared memory, and {path} has "
+             f"{free / 2**20:,.0f} MiB free")
+    if need > free:
+        size = 2 ** max(27, math.ceil(math.log2(need * 2)))  # a power of two, twice what is needed
+        raise EnvironmentMismatch(f"data.placement: stream needs {words}; give the container more (docker run "
+                                  f"--shm-size={size // 2**20}m, or --ipc=host), or lower data.workers or "
+                                  "train.eval_batch_size / train.batch_size")
+    if need > free / 2:
+        return f"streaming takes {words}: more than half of it; another process's use could make a worker fail"
+    return None
 
 
 def training_state_bytes(param_count: int, optimizer: str, momentum: float) -> int:

@@ -344,4 +344,5 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
 
 
 def _dataset_bytes(prepared: dict) -> int:
-    return sum(t.numel() * t.element_size() for split in ("train", "test") for t in prepared[split])
+    """Bytes of the set in memory (a streamed folder's images are decoded per batch: its labels alone)."""
+    return sum(t.nbytes for split in ("train", "test") for t in prepared[split])

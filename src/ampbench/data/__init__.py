@@ -6,7 +6,8 @@ Downloading and checksumming use torchvision's own code (progress bar, MD5).
 The prepared set is ``train.pt`` / ``test.pt`` (uint8 images N x 3 x H x W,
 int64 labels) plus ``meta.json`` (counts, classes, image shape, mean and std),
 written to a temporary folder and renamed, so a later stage never reads a
-half-written set. ``DeviceBatches`` keeps the whole set on the training device
+half-written set. A folder that streams (``form="files"``) is not written out again: its prepared set is
+``files.json``, the images that read with their labels, and ``meta.json``. ``DeviceBatches`` keeps the whole set on the training device
 and augments there (random crop with padding, flip); ``StreamBatches`` (``data.placement: stream``) leaves it
 memory-mapped in host memory and streams each batch to the device through DataLoader workers.
 """
@@ -31,20 +32,23 @@ from ampbench.data.synthetic import splits as synthetic_splits
 from ampbench.data.synthetic import synthetic
 from ampbench.errors import DataError
 
-__all__ = ["ARCHIVE_NAME", "Batches", "DeviceBatches", "StreamBatches", "describe", "load_prepared", "prepare",
+__all__ = ["ARCHIVE_NAME", "FILE_LIST", "Batches", "DeviceBatches", "StreamBatches", "describe", "load_prepared",
+           "prepare",
            "resident_bytes", "synthetic", "synthetic_in_memory", "synthetic_splits"]
 
+FILE_LIST = "files.json"  # a streamed folder's prepared set: its images' paths and labels, per split
 PAD = 4  # the augmentation's crop padding, stored with the set on the device
 # The sources, by data.source: each module has describe(cfg) -> dict, read(cfg, seed, raw_dir) -> (splits,
 # origin, classes) and SUBSETS_TEST (whether data.test_size takes a subset of its test split).
 SOURCES = {"cifar10": cifar, "cifar100": cifar, "folder": folder, "synthetic": synthetic_source}
 
 
-def describe(cfg: DataConfig) -> dict:
+def describe(cfg: DataConfig, known: dict | None = None) -> dict:
     """Classes, image side and image counts of the set ``cfg`` makes, known without preparing it (a folder's
-    also a fingerprint of its files); a source's bad params.yaml value (a missing archive or folder) stops here."""
+    also a fingerprint of its files and what it skips; ``known``, the last description, spares work a folder has
+    done); a source's bad params.yaml value (a missing archive or folder) stops here."""
     source = SOURCES[cfg.source]
-    desc = source.describe(cfg)
+    desc = source.describe(cfg, known) if source is folder else source.describe(cfg)
     if cfg.train_size:
         desc["train_count"] = min(desc["train_count"], cfg.train_size)
     if cfg.test_size and source.SUBSETS_TEST:
@@ -60,15 +64,23 @@ def resident_bytes(desc: dict, augment: bool = True) -> int:
 
 
 def _subset(images: torch.Tensor, labels: torch.Tensor, size: int, seed: int):
-    if size == 0 or size >= len(labels):
-        return images, labels
-    idx = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))[:size]
-    idx = idx.sort().values
-    return images[idx].contiguous(), labels[idx].contiguous()
+    keep = _subset_index(len(labels), size, seed)
+    return (images, labels) if keep is None else (images[keep].contiguous(), labels[keep].contiguous())
 
 
-def prepare(cfg: DataConfig, seed: int, out_dir: Path, raw_dir: Path) -> dict:
-    """Make the prepared set in ``out_dir`` (atomically) and return its metadata."""
+def _subset_index(n: int, size: int, seed: int) -> list[int] | None:
+    if size == 0 or size >= n:
+        return None
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:size].sort().values.tolist()
+
+
+def prepare(cfg: DataConfig, seed: int, out_dir: Path, raw_dir: Path, form: str = "tensors") -> dict:
+    """Make the prepared set in ``out_dir`` (atomically) and return its metadata. ``form``: ``tensors`` (the
+    decoded images) or, for a folder that streams, ``files`` (the list of its images that read)."""
+    if form == "files":
+        if cfg.source != "folder":
+            raise DataError(f"data.source = {cfg.source!r} has no files to stream; it streams its prepared tensors")
+        return _prepare_files(cfg, seed, Path(out_dir))
     source = SOURCES[cfg.source]
     full, origin, num_classes = source.read(cfg, seed, Path(raw_dir))
     test = _subset(*full["test"], cfg.test_size, seed + 1) if source.SUBSETS_TEST else full["test"]
@@ -81,12 +93,33 @@ def prepare(cfg: DataConfig, seed: int, out_dir: Path, raw_dir: Path) -> dict:
         "image_shape": list(splits["train"][0].shape[1:]),
         **_stats(splits["train"][0]),
     }
-    out_dir = Path(out_dir)
+    files = {f"{split}.pt": (lambda f, x=x, y=y: torch.save({"images": x, "labels": y}, f))
+             for split, (x, y) in splits.items()}
+    return _write(Path(out_dir), meta, files)
+
+
+def _prepare_files(cfg: DataConfig, seed: int, out_dir: Path) -> dict:
+    splits, origin, num_classes = folder.read_files(cfg, seed)
+    keep = _subset_index(len(splits["train"][0]), cfg.train_size, seed)
+    if keep is not None:
+        paths, labels, sums = splits["train"]
+        splits["train"] = ([paths[i] for i in keep], labels[keep], sums[keep])
+    s = cfg.image_size
+    meta = {**origin, "form": "files", "train_count": len(splits["train"][0]),
+            "test_count": len(splits["test"][0]), "num_classes": num_classes, "image_shape": [3, s, s],
+            **folder.stats_from_sums(splits["train"][2], s * s)}
+    listing = {split: {"paths": paths, "labels": labels.tolist()} for split, (paths, labels, _) in splits.items()}
+    text = json.dumps(listing, separators=(",", ":")) + "\n"
+    return _write(out_dir, meta, {FILE_LIST: lambda f: Path(f).write_text(text)})
+
+
+def _write(out_dir: Path, meta: dict, files: dict) -> dict:
+    """``files`` (name -> writer) and meta.json into ``out_dir``, through a temporary folder and a rename."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        for split, (x, y) in splits.items():
-            torch.save({"images": x, "labels": y}, tmp / f"{split}.pt")
+        for name, write in files.items():
+            write(tmp / name)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -124,6 +157,8 @@ def load_prepared(folder_: Path, device: str | torch.device, stream: bool = Fals
     meta.setdefault("image_shape", [3, 32, 32])
     shape, classes = tuple(meta["image_shape"]), meta["num_classes"]
     out = {"meta": meta}
+    if meta.get("form") == "files":
+        return _load_files(folder_, meta, stream, out)
     for split in ("train", "test"):
         blob = torch.load(folder_ / f"{split}.pt", map_location="cpu", weights_only=True, mmap=stream)
         x, y = blob["images"], blob["labels"]
@@ -139,4 +174,25 @@ def load_prepared(folder_: Path, device: str | torch.device, stream: bool = Fals
             raise DataError(f"{folder_}/{split}.pt is damaged ({problem}); rerun the data stage "
                             "(dvc repro -f data)")
         out[split] = (x, y) if stream else (x.to(device), y.to(device))
+    return out
+
+
+def _load_files(folder_: Path, meta: dict, stream: bool, out: dict) -> dict:
+    """A streamed folder's prepared set: its images, decoded when read (``folder.ImageFiles``), and labels."""
+    if not stream:
+        raise DataError(f"{folder_} lists a folder's images for streaming (data.placement: stream); set "
+                        "data.placement: stream, or rerun env_check and the data stage (dvc repro) to decode it")
+    root = Path(meta["path"])
+    if not root.is_dir():
+        raise DataError(f"{folder_} lists the images of {meta['path']}, which is no longer a folder; restore it, "
+                        "or set data.path and rerun the pipeline (dvc repro)")
+    try:
+        listing = json.loads((folder_ / FILE_LIST).read_text())
+        for split in ("train", "test"):
+            paths, labels = listing[split]["paths"], torch.tensor(listing[split]["labels"], dtype=torch.int64)
+            if len(paths) != meta[f"{split}_count"] or len(labels) != len(paths):
+                raise ValueError(f"{len(paths)} paths, expected {meta[f'{split}_count']}")
+            out[split] = (folder.ImageFiles(root, paths, meta["image_shape"][-1]), labels)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{folder_}/{FILE_LIST} is damaged ({err}); rerun the data stage (dvc repro -f data)") from None
     return out

@@ -1,5 +1,6 @@
-"""Streaming placement: the set stays in host memory (the prepared tensors memory-mapped, not loaded whole) and
-DataLoader workers crop and flip each batch there; the batch goes to the device through pinned memory with a
+"""Streaming placement: the set stays in host memory (the prepared tensors memory-mapped, not loaded whole) or on
+disk (a folder's image files, decoded and resized in the workers) and DataLoader workers crop and flip each batch
+there; the batch goes to the device through pinned memory with a
 non-blocking copy, and is normalised on the device as the resident path does.
 
 Randomness is per sample, from (seed, epoch, index), never from a worker's RNG: the batches are the same whatever
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ampbench.data.batches import Batches
+from ampbench.errors import AmpbenchError, DataError
 
 PREFETCH = 2  # batches each worker prepares ahead of the step (each one a batch in shared memory)
 
@@ -42,9 +44,12 @@ class _Crops(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, key: tuple[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, key: tuple[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor] | dict:
         epoch, idx = key
-        x = self.images[idx]  # reads these images alone from a memory-mapped set
+        try:  # reads these images alone: from a memory-mapped set, or a folder's files decoded here
+            x = self.images[idx]
+        except AmpbenchError as err:  # the training process raises it: one line, not a worker's traceback
+            return {"error": str(err)}
         if self.pad:
             p, (h, w) = self.pad, x.shape[-2:]
             padded = F.pad(x, (p, p, p, p))
@@ -75,8 +80,9 @@ def _worker_init(_: int) -> None:
 
 
 class StreamBatches(Batches):
-    """Batches of a host-resident uint8 set (N x C x H x W, CPU), prepared by ``workers`` DataLoader worker
-    processes (0: in the training process) and moved to ``device`` ahead of the step."""
+    """Batches of a host-resident uint8 set (N x C x H x W on the CPU: a tensor, or a folder's ``ImageFiles``),
+    prepared by ``workers`` DataLoader worker processes (0: in the training process) and moved to ``device`` ahead
+    of the step."""
 
     def __init__(self, images: torch.Tensor, labels: torch.Tensor, batch_size: int, mean, std, *,
                  augment: bool, shuffle: bool, channels_last: bool, device: torch.device | str, workers: int = 0,
@@ -111,6 +117,9 @@ class StreamBatches(Batches):
 
     def epoch(self, epoch: int, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self.sampler.keys = self.keys(epoch, start)
-        for x, y in self.loader:  # a new pass resets the persistent workers, dropping what an unfinished one left
+        for item in self.loader:  # a new pass resets the persistent workers, dropping what an unfinished one left
+            if isinstance(item, dict):
+                raise DataError(item["error"])
+            x, y = item
             x = x.to(self.device, non_blocking=True)
             yield self.normalise(x), y.to(self.device, non_blocking=True)

@@ -67,6 +67,9 @@ def _accuracy(r: dict, base: dict) -> str:
     return f"; final accuracy {acc:.2%} against {b_acc:.2%}, {judged}"
 
 
+LABELS = {"fp16": "FP16-AMP", "bf16": "BF16-AMP", "tf32": "TF32", "fp8": "FP8", "fp32": "FP32"}  # the headline's
+
+
 def verdict(summary: dict, env: dict) -> str:
     """The headline variant against the baseline: speed with its interval, memory, accuracy, and why."""
     name, base_name = summary.get("headline"), summary["baseline"]
@@ -75,7 +78,8 @@ def verdict(summary: dict, env: dict) -> str:
                 "the table below shows what was measured.")
     r, base = summary["variants"][name], summary["variants"][base_name]
     where = env["gpu"]["name"] if env.get("gpu") else f"this CPU ({env.get('cpu_model')})"
-    text = f"On {where}, {name} (FP16-AMP) {_speed(r)}, {_memory(r)}{_accuracy(r, base)}."
+    label = LABELS.get(r.get("precision"), str(r.get("precision")).upper())
+    text = f"On {where}, {name} ({label}) {_speed(r)}, {_memory(r)}{_accuracy(r, base)}."
     lo = (r.get("speedup_ci95") or [None])[0]
     if not (lo is not None and lo > 1.02):
         reasons = _reasons(r, base, env)
