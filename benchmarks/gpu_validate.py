@@ -12,6 +12,7 @@ under --out as the checks finish, so a run cut short keeps what it measured; exi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -39,6 +40,9 @@ CHECKS = {
     "largest_batch": "the largest-batch search under sweep.memory_limit_gib = 4: measured (not a ceiling or a "
                      "stop), above the first try (256), with the peak reserved at that batch recorded",
     "tf32_getters": "every TF32 getter (old and new API) readable after ampbench sets strict fp32 and TF32",
+    "stream": "data.placement: stream on CUDA (pinned memory, non-blocking copies, 4 workers): the batches equal "
+              "the same batches streamed to the CPU, and an fp16 epoch's img/s and data-wait share beside the "
+              "device-resident set's",
     "nccl_ddp": "two processes over NCCL (2+ GPUs visible): one DDP step leaves the same weights on both",
 }
 
@@ -137,6 +141,30 @@ def check_tf32_getters(prepared: dict) -> dict:
         except RuntimeError as err:
             return {"figure": read, "passed": False, "detail": str(err)[:300]}
     return {"figure": read, "passed": True, "detail": "getters after set_tf32(False, True, False)"}
+
+
+def check_stream(prepared: dict) -> dict:
+    host = {k: tuple(t.cpu() for t in v) if k != "meta" else v for k, v in prepared.items()}
+    meta = host["meta"]
+
+    def feed(device: str, workers: int):
+        return data.StreamBatches(*host["train"], 256, meta["mean"], meta["std"], augment=True, shuffle=True,
+                                  channels_last=True, device=device, workers=workers, seed=0)
+    cuda, cpu = feed("cuda", 4), feed("cpu", 0)
+    worst, pinned = 0.0, cuda.loader.pin_memory
+    for i, ((xg, yg), (xc, yc)) in enumerate(zip(cuda.epoch(0), cpu.epoch(0), strict=True)):
+        worst = max(worst, (xg.cpu() - xc).abs().max().item())
+        assert xg.is_cuda and torch.equal(yg.cpu(), yc), f"batch {i}: labels differ"
+        if i == 3:
+            break
+    rates = {}
+    for placement in ("device", "stream"):
+        plan = dataclasses.replace(_plan("fp16"), placement=placement, workers=4 if placement == "stream" else 0)
+        m = runner.train(plan, host if placement == "stream" else prepared, progress=False, profile=False).metrics
+        rates[placement] = {"imgs_per_s": m["imgs_per_s"], "data_time_fraction": m["data_time_fraction"]}
+    return {"figure": {"pinned": pinned, "max_abs_diff_vs_cpu": worst, **rates},
+            "passed": pinned and worst < 1e-4 and rates["stream"]["imgs_per_s"] > 0,
+            "detail": "streamed batches on CUDA against the CPU's; fp16 img/s and data wait, device vs stream"}
 
 
 def _ddp_worker(rank: int, port: int, out: str) -> None:

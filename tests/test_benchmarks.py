@@ -37,9 +37,21 @@ def test_gpu_validate_lists_its_checks_on_a_cpu_and_refuses_to_run_there():
                             capture_output=True, text=True, timeout=300)
     assert listed.returncode == 0, listed.stderr[-2000:]
     names = [line.split(":")[0] for line in listed.stdout.splitlines()]
-    assert names == ["host_syncs", "steady_peak", "gpu_busy", "largest_batch", "tf32_getters", "nccl_ddp"]
+    assert names == ["host_syncs", "steady_peak", "gpu_busy", "largest_batch", "tf32_getters", "stream", "nccl_ddp"]
     run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_validate.py")], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode != 0 and "no CUDA GPU" in run.stderr and "Traceback" not in run.stderr
     make = subprocess.run(["make", "-n", "gpu-validate"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert "PYTHONPATH=src python3 benchmarks/gpu_validate.py" in make.stdout and "pip" not in make.stdout
+
+
+def test_input_pipeline_benchmark_runs_every_feed(tmp_path):
+    out = tmp_path / "pipeline"
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "input_pipeline.py"), "--images", "600", "--batch", "32",
+         "--rounds", "1", "--workers", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert list(rows) == ["device", "stream, memory", "stream, JPEG folder", "torchvision ImageFolder"]
+    assert all(r[0]["imgs_per_s"] > 0 and 0 <= r[0]["data_share"] < 1 for r in rows.values())
+    assert "| stream, JPEG folder |" in out.with_suffix(".md").read_text()

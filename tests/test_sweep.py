@@ -149,6 +149,13 @@ def test_cpu_sweep_writes_points_estimate_and_plots(tmp_path, tiny_params):
     after = {p.name: p.read_bytes() for p in (out / "points").iterdir()}
     assert set(after) == {f"{p}-{b}.json" for p in ("fp32", "fp16") for b in (4, 8, 12)}
     assert all(after[n] == before[n] for n in after if n in before)  # reused points are untouched
+    assert "as measured before" not in proc.stdout  # new points: the largest batch is found again
+
+    tiny_params["train"]["epochs"] = 3  # the sweep depends on the train section, but not on this
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params))
+    proc = _stage(tmp_path)
+    assert proc.returncode == 0 and "0 point(s) measured, 6 reused" in proc.stdout, proc.stdout
+    assert proc.stdout.count("as measured before: its inputs are unchanged") == 2  # no new largest-batch search
 
 
 def test_disabled_sweep_writes_an_empty_result(tmp_path, tiny_params):

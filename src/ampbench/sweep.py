@@ -307,6 +307,10 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
     code = code_digest()
     points_dir = out / "points"
     wanted, rows, largest, reused = set(), [], {}, 0
+    try:
+        known_max = json.loads((out / "max.json").read_text())
+    except (OSError, ValueError):
+        known_max = {}
     precisions = sweep_precisions(cfg)
     for precision in precisions:
         bench = Bench(cfg, prepared, device, precision)
@@ -325,11 +329,19 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
             spread = point.get("imgs_per_s_p10_p90") or [None, None]
             rows.append({"variant": precision, **{k: point.get(k) for k in SWEEP_COLUMNS[1:] if k in point},
                          "imgs_per_s_p10": spread[0], "imgs_per_s_p90": spread[1], "oom": bool(point.get("oom"))})
-        if cfg.sweep.find_max:
-            largest[precision] = find_max(bench, [p for p in points if not p.get("oom")], cfg,
-                                          _dataset_bytes(prepared))
+        if cfg.sweep.find_max:  # reused while its inputs (and the points it starts from) are unchanged
+            key = hashlib.sha256(json.dumps([point_key(cfg, precision, 0, prepared["meta"], env_fingerprint,
+                                                       model_source, code), [p["key"] for p in points]]
+                                            ).encode()).hexdigest()[:16]
+            before = known_max.get(precision) or {}
+            if before.get("key") == key:
+                largest[precision], note = before, ", as measured before: its inputs are unchanged"
+            else:
+                largest[precision] = {**find_max(bench, [p for p in points if not p.get("oom")], cfg,
+                                                 _dataset_bytes(prepared)), "key": key}
+                note = ""
             print(f"[sweep {precision}] largest batch: {largest[precision]['largest_batch']} "
-                  f"({largest[precision]['method']})", flush=True)
+                  f"({largest[precision]['method']}{note})", flush=True)
         del bench
     for stale in points_dir.glob("*.json"):
         if stale.name not in wanted:

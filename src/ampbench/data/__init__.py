@@ -3,13 +3,13 @@
 Each source is a module of this package, registered in ``SOURCES`` with the same ``describe`` and ``read``:
 a new source is one module and one line there (and its name in ``config.DATA_SOURCES``).
 Downloading and checksumming use torchvision's own code (progress bar, MD5).
-The prepared set is ``train.pt`` / ``test.pt`` (uint8 images N x 3 x H x W,
-int64 labels) plus ``meta.json`` (counts, classes, image shape, mean and std),
-written to a temporary folder and renamed, so a later stage never reads a
-half-written set. A folder that streams (``form="files"``) is not written out again: its prepared set is
-``files.json``, the images that read with their labels, and ``meta.json``. ``DeviceBatches`` keeps the whole set on the training device
-and augments there (random crop with padding, flip); ``StreamBatches`` (``data.placement: stream``) leaves it
-memory-mapped in host memory and streams each batch to the device through DataLoader workers.
+The prepared set is ``train.pt`` / ``test.pt`` (uint8 images N x 3 x H x W, int64 labels) plus ``meta.json``
+(counts, classes, image shape, mean and std), written to a temporary folder and renamed, so a later stage never
+reads a half-written set. A folder that streams (``form="files"``) is not written out again: its prepared set
+is ``files.json``, the images that read with their labels, and ``meta.json``. ``DeviceBatches`` keeps the whole
+set on the training device and augments there (random crop with padding, flip); ``StreamBatches``
+(``data.placement: stream``) leaves it memory-mapped in host memory, or a folder's files on disk, and streams
+each batch to the device through DataLoader workers.
 """
 
 from __future__ import annotations

@@ -279,7 +279,8 @@ def stats_from_sums(sums: torch.Tensor, pixels_per_image: int) -> dict:
     s, ss = sums[:, 0].sum(0) / 255, sums[:, 1].sum(0) / 255**2
     mean = s / n
     var = (ss - n * mean * mean) / max(1, n - 1)
-    return {"mean": [round(v, 6) for v in mean.tolist()], "std": [round(v, 6) for v in var.clamp(min=0).sqrt().tolist()]}
+    std = var.clamp(min=0).sqrt()
+    return {"mean": [round(v, 6) for v in mean.tolist()], "std": [round(v, 6) for v in std.tolist()]}
 
 
 class ImageFiles:
