@@ -151,7 +151,9 @@ def check_stream(prepared: dict) -> dict:
         return data.StreamBatches(*host["train"], 256, meta["mean"], meta["std"], augment=True, shuffle=True,
                                   channels_last=True, device=device, workers=workers, seed=0)
     cuda, cpu = feed("cuda", 4), feed("cpu", 0)
-    worst, pinned = 0.0, cuda.loader.pin_memory
+    cuda.sampler.keys = cuda.keys(0)[:1]
+    pinned = next(iter(cuda.loader))[0].is_pinned()  # what the loader hands over, before the copy
+    worst = 0.0
     for i, ((xg, yg), (xc, yc)) in enumerate(zip(cuda.epoch(0), cpu.epoch(0), strict=True)):
         worst = max(worst, (xg.cpu() - xc).abs().max().item())
         assert xg.is_cuda and torch.equal(yg.cpu(), yc), f"batch {i}: labels differ"

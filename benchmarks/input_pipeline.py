@@ -12,9 +12,10 @@ step the device waited for data (the engine's clock, synchronised):
 - stream, memory: the decoded set memory-mapped in host memory, cropped and flipped in DataLoader workers,
   through pinned memory and non-blocking copies (``stream`` for CIFAR, the synthetic set, a folder that fits);
 - stream, JPEG folder: the folder's files decoded and resized in the workers each epoch (``stream`` for a folder);
-- torchvision ImageFolder: the baseline a user would write for a folder: ``datasets.ImageFolder`` with
-  RandomCrop(padding=4), RandomHorizontalFlip, ToTensor and Normalize in a DataLoader with the same workers
-  (persistent, pinned on CUDA), the same model, optimizer and autocast, timed the same way.
+- torchvision ImageFolder: the baseline a user would write for a folder: ``datasets.ImageFolder`` (the same
+  training images) with RandomCrop(padding=4), RandomHorizontalFlip, ToTensor and Normalize in a DataLoader with
+  the same workers (persistent, pinned on CUDA), feeding the engine's own model, optimizer and step, timed the
+  same way.
 
 Rounds alternate the feeds, so drifts in clock speed hit all alike; the table gives medians and each feed's
 img/s as a ratio to the device-resident one. The folder is generated (one class per colour, small noise) unless
@@ -32,16 +33,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader
 
 from ampbench import config, data, env, models
 from ampbench.config import DataConfig, MlflowConfig, ModelConfig, ProfileConfig, TrainConfig
 from ampbench.measure.clock import synchronize
-from ampbench.precision import DTYPES, amp_settings, spec
+from ampbench.precision import DTYPES, amp_settings
 from ampbench.runplan import RunPlan
-from ampbench.train import runner
+from ampbench.train import runner, setup, step
 
 FEEDS = ("device", "stream, memory", "stream, JPEG folder", "torchvision ImageFolder")
 
@@ -57,32 +57,38 @@ def make_folder(root: Path, n: int, side: int, classes: int = 10, seed: int = 0)
         Image.fromarray(px).save(root / f"class{c}" / f"{i:06d}.jpg", quality=90)
 
 
-def engine(args, prepared: dict, placement: str) -> dict:
-    """One epoch through ampbench's engine in ``placement``: img/s and the data-wait share of its timed steps."""
-    plan = RunPlan(variant=placement, precision=args.precision, accum_steps=1, device=args.device, seed=0,
+def plan(args, placement: str) -> RunPlan:
+    return RunPlan(variant=placement, precision=args.precision, accum_steps=1, device=args.device, seed=0,
                    model=ModelConfig(arch=args.arch, channels_last=True),
                    train=TrainConfig(epochs=1, batch_size=args.batch, warmup_steps=args.warmup, augment=True),
                    amp=amp_settings(args.precision, config.AmpConfig()), mlflow=MlflowConfig(enabled=False),
                    profile=ProfileConfig(steps=0), placement=placement,
                    workers=args.workers if placement == "stream" else 0)
-    m = runner.train(plan, prepared, progress=False, profile=False).metrics
+
+
+def engine(args, prepared: dict, placement: str) -> dict:
+    """One epoch through ampbench's engine in ``placement``: img/s and the data-wait share of its timed steps."""
+    m = runner.train(plan(args, placement), prepared, progress=False, profile=False).metrics
     return {"imgs_per_s": m["imgs_per_s"], "data_share": m["data_time_fraction"]}
 
 
-def torchvision_loop(args, root: Path, mean, std) -> dict:
-    """The folder through torchvision's ImageFolder and transforms, the usual way, with the same model and step."""
+def torchvision_loop(args, root: Path, listed: Path, meta: dict) -> dict:
+    """The same training images through torchvision's ImageFolder and transforms, the usual way, into the
+    engine's own model, optimizer and step (``setup.build``, ``step.train_step``), timed as the engine's clock."""
     from torchvision import datasets, transforms
+    mean, std = meta["mean"], meta["std"]
     tf = transforms.Compose([transforms.Resize((args.side, args.side)), transforms.RandomCrop(args.side, padding=4),
                              transforms.RandomHorizontalFlip(), transforms.ToTensor(), transforms.Normalize(mean, std)])
-    loader = DataLoader(datasets.ImageFolder(str(root), transform=tf), batch_size=args.batch, shuffle=True,
-                        drop_last=True, num_workers=args.workers, pin_memory=args.device == "cuda",
-                        persistent_workers=args.workers > 0,
+    folder = datasets.ImageFolder(str(root), transform=tf)
+    train = {(root / p).resolve() for p in json.loads((listed / data.FILE_LIST).read_text())["train"]["paths"]}
+    folder.samples = folder.imgs = [s for s in folder.samples if Path(s[0]).resolve() in train]  # not the test set
+    loader = DataLoader(folder, batch_size=args.batch, shuffle=True, drop_last=True, num_workers=args.workers,
+                        pin_memory=args.device == "cuda", persistent_workers=args.workers > 0,
                         prefetch_factor=data.stream.PREFETCH if args.workers else None)
-    torch.manual_seed(0)
-    model = models.build(ModelConfig(arch=args.arch, channels_last=True), num_classes=len(loader.dataset.classes),
-                         image_size=args.side, device=args.device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
-    scaler = torch.amp.GradScaler(args.device, enabled=spec(args.precision).grad_scaler)
+    if len(loader) <= args.warmup:
+        raise SystemExit(f"error: {len(folder.samples)} training images make {len(loader)} batches of {args.batch}, "
+                         f"not more than the {args.warmup} warm-up steps; give more --images or a smaller --batch")
+    s = setup.build(plan(args, "device"), meta, torch.device(args.device))
     waited, seen, start = 0.0, 0, None
     it = iter(loader)
     for i in range(len(loader)):
@@ -95,13 +101,7 @@ def torchvision_loop(args, root: Path, mean, std) -> dict:
         y = y.to(args.device, non_blocking=True)
         synchronize(args.device)
         waited += time.perf_counter() - t0
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(args.device, dtype=DTYPES[args.precision],
-                            enabled=spec(args.precision).autocast_dtype is not None):
-            loss = F.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+        step.train_step(s.step_model, s.opt, s.scaler, s.policy, x, y, len(y))
         synchronize(args.device)  # as the engine's clock: the step's compute ends before the next data wait
         if start is not None:
             seen += len(y)
@@ -160,7 +160,7 @@ def main() -> None:
             for feed, run in ((FEEDS[0], lambda: engine(args, resident, "device")),
                               (FEEDS[1], lambda: engine(args, mapped, "stream")),
                               (FEEDS[2], lambda: engine(args, listed, "stream")),
-                              (FEEDS[3], lambda: torchvision_loop(args, root, decoded["mean"], decoded["std"]))):
+                              (FEEDS[3], lambda: torchvision_loop(args, root, tmp / "listed", decoded))):
                 rows[feed].append(run())
                 print(f"round {r + 1} {feed:<24} {rows[feed][-1]['imgs_per_s']:>9,.0f} img/s, data wait "
                       f"{rows[feed][-1]['data_share']:.0%}", flush=True)
