@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from ampbench import config, data
-from ampbench.errors import run_cli
+from ampbench.errors import DataError, run_cli
 
 
 def main() -> None:
@@ -21,7 +21,13 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = config.load(args.params)
-    form = json.loads(Path(args.data_source).read_text()).get("data", {}).get("form") if args.data_source else None
+    form = None
+    if args.data_source:
+        try:
+            form = json.loads(Path(args.data_source).read_text()).get("data", {}).get("form")
+        except (OSError, ValueError, AttributeError) as err:
+            raise DataError(f"{args.data_source} could not be read ({err}); run env_check first (dvc repro)") \
+                from None
     meta = data.prepare(cfg.data, cfg.seed, Path(args.out), Path(args.raw), form=form or "tensors")
     for line in data.folder.bad_file_lines(meta, f"{args.out}/meta.json"):
         print(f"warning: {line}")

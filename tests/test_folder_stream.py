@@ -159,7 +159,7 @@ def test_streaming_stops_when_the_batches_in_flight_do_not_fit_in_shared_memory(
     with pytest.raises(EnvironmentMismatch) as err:
         env.check_shared_memory(4, 2, batch, 1, str(tmp_path / "shm"))
     msg = str(err.value)
-    assert "1 process(es) x 4 worker(s) x 2 batches in flight" in msg and "64 MiB free" in msg
+    assert "1 process(es) x (4 worker(s) x 2 batches in flight + 1)" in msg and "64 MiB free" in msg
     assert "--shm-size=1024m" in msg and "data.workers" in msg
     free["free"] = 400 * 2**20
     assert "more than half" in env.check_shared_memory(4, 2, batch, 1, str(tmp_path / "shm"))
@@ -216,3 +216,29 @@ def test_a_jpeg_folder_too_large_for_the_device_streams_through_dvc_repro_with_a
     md = (r / "report.md").read_text()
     assert "Input-bound: the CPU waited" in md and "raise data.workers (1 now)" in md and "bf16 (BF16-AMP)" in md
     assert config.load(repo / "params.yaml").data.placement == "auto"
+
+
+def test_the_held_out_split_holds_when_files_come_and_go_and_too_few_images_stop_early(tmp_path):
+    root = tmp_path / "imgs"
+    _mixed_folder(root, per_class=15)
+    (root / "ant" / ".thumbnails").mkdir()
+    Image.new("RGB", (8, 8)).save(root / "ant" / ".thumbnails" / "0.jpg")  # inside a hidden folder: not data
+    cfg = DataConfig(source="folder", path=str(root), image_size=12, test_size=6)
+
+    def split():
+        found = data.folder.verify(cfg, 0, keep=False)["splits"]
+        return {s: {p.relative_to(root).as_posix() for p, _ in found[s][0]} for s in ("train", "test")}
+    before = split()
+    assert len(before["test"]) == 6 and not any(".thumbnails" in p for s in before.values() for p in s)
+    Image.new("RGB", (8, 8), "red").save(root / "bee" / "new.png")  # one more image
+    after = split()
+    assert len(after["test"]) == 6 and len(before["test"] - after["test"]) <= 1  # at most one image moved
+    other = {p.relative_to(root).as_posix() for p, _ in data.folder.verify(cfg, 1, keep=False)["splits"]["test"][0]}
+    assert len(other) == 6 and other != after["test"]  # another seed, another split
+    few = tmp_path / "few"
+    for c in ("a", "b"):
+        (few / c).mkdir(parents=True)
+        (few / c / "x.jpg").write_bytes(b"not a jpeg")
+    Image.new("RGB", (8, 8)).save(few / "a" / "ok.png")
+    with pytest.raises(DataError, match="has 1 readable image"):  # env_check stops, not the data stage later
+        data.describe(DataConfig(source="folder", path=str(few)))

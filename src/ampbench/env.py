@@ -263,9 +263,9 @@ def check_shared_memory(workers: int, batches_in_flight: int, batch_bytes: int, 
     when they would take more than half of it. Containers often have little: Docker gives 64 MiB by default."""
     if not workers or not os.path.isdir(path):
         return None
-    need = nproc * workers * batches_in_flight * batch_bytes
+    need = nproc * (workers * batches_in_flight + 1) * batch_bytes  # and the batch each process is reading
     free = shutil.disk_usage(path).free
-    words = (f"{nproc} process(es) x {workers} worker(s) x {batches_in_flight} batches in flight x "
+    words = (f"{nproc} process(es) x ({workers} worker(s) x {batches_in_flight} batches in flight + 1) x "
              f"{batch_bytes / 2**20:.1f} MiB = {need / 2**20:,.0f} MiB of shared memory, and {path} has "
              f"{free / 2**20:,.0f} MiB free")
     if need > free:

@@ -42,6 +42,7 @@ from ampbench.precision import spec
 from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, write_json
 from ampbench.train import probes, setup, step
 
+POOL = 2048  # images decoded once from a streamed folder, from which every point draws its batch
 WARMUP = 2  # untimed steps before each point's timed ones (allocation, cuDNN autotuning)
 
 
@@ -79,12 +80,17 @@ class Bench:
         self.opt = s.opt
         self.policy = s.policy
         self.scaler = s.scaler
+        x, y = self.data["train"]
+        if not isinstance(x, torch.Tensor):  # a streamed folder's files: a pool decoded once, the points drawn from it
+            keep = torch.randperm(len(y), generator=torch.Generator().manual_seed(cfg.seed))[:POOL].sort().values
+            x, y = x[keep], y[keep]
+        self.pool = x, y
         x, y = next(self.batches(8).epoch(0))
         self.flops_per_image = flops.train_flops_per_image(self.model, x, y)  # per image: the same at any batch
 
     def batches(self, batch: int) -> DeviceBatches:
         """``batch`` images drawn from the training set (with replacement when it holds fewer)."""
-        x, y = self.data["train"]  # wherever the set is (the sweep stage leaves it memory-mapped on the host)
+        x, y = self.pool  # wherever the set is (the sweep stage leaves it memory-mapped on the host)
         g = torch.Generator(device=x.device).manual_seed(self.cfg.seed + batch)
         idx = torch.randint(0, len(y), (batch,), device=x.device, generator=g)
         meta = self.data["meta"]
@@ -331,10 +337,10 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
                          "imgs_per_s_p10": spread[0], "imgs_per_s_p90": spread[1], "oom": bool(point.get("oom"))})
         if cfg.sweep.find_max:  # reused while its inputs (and the points it starts from) are unchanged
             key = hashlib.sha256(json.dumps([point_key(cfg, precision, 0, prepared["meta"], env_fingerprint,
-                                                       model_source, code), [p["key"] for p in points]]
-                                            ).encode()).hexdigest()[:16]
+                                                       model_source, code), [p["key"] for p in points],
+                                             limit_bytes(cfg, device)[0]]).encode()).hexdigest()[:16]
             before = known_max.get(precision) or {}
-            if before.get("key") == key:
+            if before.get("key") == key and before.get("method") != "stopped":  # an error is tried again
                 largest[precision], note = before, ", as measured before: its inputs are unchanged"
             else:
                 largest[precision] = {**find_max(bench, [p for p in points if not p.get("oom")], cfg,

@@ -36,6 +36,7 @@ __all__ = ["ARCHIVE_NAME", "FILE_LIST", "Batches", "DeviceBatches", "StreamBatch
            "prepare",
            "resident_bytes", "synthetic", "synthetic_in_memory", "synthetic_splits"]
 
+FORMS = ("tensors", "files")  # a prepared set: decoded uint8 tensors, or a folder's list of files (streamed)
 FILE_LIST = "files.json"  # a streamed folder's prepared set: its images' paths and labels, per split
 PAD = 4  # the augmentation's crop padding, stored with the set on the device
 # The sources, by data.source: each module has describe(cfg) -> dict, read(cfg, seed, raw_dir) -> (splits,
@@ -77,6 +78,8 @@ def _subset_index(n: int, size: int, seed: int) -> list[int] | None:
 def prepare(cfg: DataConfig, seed: int, out_dir: Path, raw_dir: Path, form: str = "tensors") -> dict:
     """Make the prepared set in ``out_dir`` (atomically) and return its metadata. ``form``: ``tensors`` (the
     decoded images) or, for a folder that streams, ``files`` (the list of its images that read)."""
+    if form not in FORMS:
+        raise DataError(f"data form {form!r} is not one of {', '.join(FORMS)}; rerun env_check (dvc repro)")
     if form == "files":
         if cfg.source != "folder":
             raise DataError(f"data.source = {cfg.source!r} has no files to stream; it streams its prepared tensors")
@@ -192,7 +195,10 @@ def _load_files(folder_: Path, meta: dict, stream: bool, out: dict) -> dict:
             paths, labels = listing[split]["paths"], torch.tensor(listing[split]["labels"], dtype=torch.int64)
             if len(paths) != meta[f"{split}_count"] or len(labels) != len(paths):
                 raise ValueError(f"{len(paths)} paths, expected {meta[f'{split}_count']}")
-            out[split] = (folder.ImageFiles(root, paths, meta["image_shape"][-1]), labels)
+            out[split] = paths, labels
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{folder_}/{FILE_LIST} is damaged ({err}); rerun the data stage (dvc repro -f data)") from None
+    for split in ("train", "test"):
+        paths, labels = out[split]
+        out[split] = (folder.ImageFiles(root, paths, meta["image_shape"][-1]), labels)
     return out

@@ -26,6 +26,7 @@ import signal
 import time
 from pathlib import Path
 
+import PIL
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
@@ -51,8 +52,8 @@ def _listing(folder: Path) -> tuple[list[Path], list[Path]]:
     """The images of a class folder (by suffix) and its stray files (neither images nor hidden)."""
     images, stray = [], []
     for p in sorted(folder.rglob("*")):
-        if p.name.startswith(".") or not p.is_file():
-            continue
+        if any(part.startswith(".") for part in p.relative_to(folder).parts) or not p.is_file():
+            continue  # hidden files and whatever hidden folders (.thumbnails, .ipynb_checkpoints) hold
         (images if p.suffix.lower() in IMG_EXTENSIONS else stray).append(p)
     return images, stray
 
@@ -112,7 +113,7 @@ def decode_image(path: Path, size: int) -> torch.Tensor:
     try:
         with Image.open(path) as im:
             im = im.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+    except Exception as err:  # PIL raises OSError mostly, but also ValueError, EOFError, struct.error, ...
         raise BadImage(str(err) or type(err).__name__) from None
     return pil_to_tensor(im)
 
@@ -122,7 +123,7 @@ def header_problem(path: Path) -> str | None:
     try:
         with Image.open(path) as im:
             im.size  # noqa: B018 - the header's dimensions
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+    except Exception as err:  # as decode_image: whatever PIL raises on a file that is not an image it reads
         return str(err) or type(err).__name__
     return None
 
@@ -151,6 +152,13 @@ def _apply_policy(cfg: DataConfig, unreadable: list[list[str]]) -> None:
                         "remove or replace them, or set data.bad_files: skip to train without them")
 
 
+def _enough(cfg: DataConfig, readable: int, split: bool) -> None:
+    if readable < (1 if split else 2):
+        raise DataError(f"data.path = {cfg.path!r} has {readable} readable image(s)"
+                        + ("" if split else "; a train and a held-out test split need at least two")
+                        + "; add images, or replace the unreadable ones")
+
+
 def _rel(path: Path, cfg: DataConfig) -> str:
     return path.relative_to(cfg.path).as_posix()
 
@@ -161,7 +169,7 @@ def describe(cfg: DataConfig, known: dict | None = None) -> dict:
     ``known`` (the last description) spares re-reading every header when the fingerprint is the same."""
     found = scan(cfg)
     every = found["files"]["train"] + found["files"].get("test", [])
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"Pillow {PIL.__version__}\n".encode())  # another Pillow may read other files
     for path, label in every:
         st = path.stat()
         h.update(f"{_rel(path, cfg)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
@@ -175,6 +183,7 @@ def describe(cfg: DataConfig, known: dict | None = None) -> dict:
     _apply_policy(cfg, unreadable)
     bad = {p for p, _ in unreadable}
     n = {split: sum(_rel(p, cfg) not in bad for p, _ in fs) for split, fs in found["files"].items()}
+    _enough(cfg, n["train"], found["split"])
     if found["split"]:
         n_train, n_test = n["train"], n["test"]
     else:
@@ -210,7 +219,7 @@ def _decode_all(files: list[tuple[Path, int]], size: int, keep: bool, desc: str)
     workers = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
     workers = workers if len(files) >= 512 and workers > 1 else 0
     loader = DataLoader(_Decode(files, size), batch_size=None, num_workers=workers, worker_init_fn=_ignore_sigint,
-                        prefetch_factor=16 if workers else None)
+                        prefetch_factor=2 if workers else None)  # images in shared memory: few (/dev/shm)
     images = torch.empty(len(files), 3, size, size, dtype=torch.uint8) if keep else None
     sums = torch.zeros(len(files), 2, 3, dtype=torch.float64)
     ok = torch.ones(len(files), dtype=torch.bool)
@@ -241,10 +250,11 @@ def verify(cfg: DataConfig, seed: int, keep: bool) -> dict:
     _apply_policy(cfg, unreadable)
     if not found["split"]:
         fs, images, sums = out.pop("train")
-        if len(fs) < 2:
-            raise DataError(f"data.path = {cfg.path!r} has {len(fs)} readable image(s); a train and a test split "
-                            "need at least two")
-        order = torch.randperm(len(fs), generator=torch.Generator().manual_seed(seed)).tolist()
+        _enough(cfg, len(fs), False)
+        # the held-out images: the first by a seeded hash of each file's path, so adding, removing or fixing one
+        # file moves at most one other image between the splits
+        rank = {i: hashlib.sha256(f"{seed}\0{_rel(f, cfg)}".encode()).digest() for i, (f, _) in enumerate(fs)}
+        order = sorted(rank, key=rank.get)
         k = held_out_count(len(fs), cfg.test_size)
         for split, idx in (("train", sorted(order[k:])), ("test", sorted(order[:k]))):
             out[split] = ([fs[i] for i in idx], images[idx] if keep else None, sums[idx])
@@ -293,7 +303,11 @@ class ImageFiles:
     def __init__(self, root: str | Path, paths: list[str], size: int):
         self.root, self.paths, self.size = Path(root), paths, size
         self.shape = torch.Size((len(paths), 3, size, size))
-        self.delay = float(os.environ.get(DECODE_DELAY_ENV) or 0) / 1000
+        try:
+            self.delay = float(os.environ.get(DECODE_DELAY_ENV) or 0) / 1000
+        except ValueError:
+            raise DataError(f"{DECODE_DELAY_ENV} = {os.environ[DECODE_DELAY_ENV]!r} is not a number of "
+                            "milliseconds; unset it") from None
 
     nbytes = 0  # pixels held in memory: none, each batch's are decoded when it is drawn
 
@@ -311,6 +325,7 @@ class ImageFiles:
                 out[j] = decode_image(path, self.size)
             except BadImage as err:
                 raise DataError(f"{path} could not be read ({err}) though the data stage read it: it changed on "
-                                "disk during training; restore it, or run `dvc repro` again to prepare the folder "
-                                "without it (training resumes from its checkpoint)") from None
+                                "disk during training; restore it and run `dvc repro` to resume from the "
+                                "checkpoint, or run `dvc repro` as it is to prepare the folder without it (training "
+                                "then starts over, on the new set)") from None
         return out
