@@ -15,6 +15,7 @@ results are on disk.
 
 import argparse
 import json
+import sys
 from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
@@ -54,20 +55,20 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
     prepared = data.load_prepared(Path(args.data), plan.device, stream=plan.placement == "stream")
     out = Path(args.out)
     monitor = sysmon.SystemMonitor(interval_s=0.5, gpu_uuid=sysmon.device_uuid(world.device(plan.device)))
-    started = datetime.now(UTC).isoformat(timespec="seconds")  # the order the variants ran in
+    started = datetime.now(UTC).isoformat(timespec="milliseconds")  # the order the variants ran in; MLflow's start
     try:
         with monitor if world.main else nullcontext():
             result = runner.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints), world=world)
     except NonFiniteTraining as err:  # keep what the completed epochs measured, with the diagnosis
         if err.result is not None and world.main:
             err.result.system = monitor.rows
-            err.result.metrics["started_at"] = started
+            err.result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
             save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env))
         raise
     if not world.main:
         return
     result.system = monitor.rows
-    result.metrics["started_at"] = started
+    result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
     save(plan, result, info, out, Path(args.plan).parent, Path(args.env))
     checkpoint.clear(Path(args.checkpoints))
     procs = f" over {world.size} processes ({world.backend})" if world.active else ""
@@ -79,6 +80,8 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
          env_path: Path) -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
     result.metrics["git_commit"] = env.git_commit()
+    result.metrics["finished_at"] = datetime.now(UTC).isoformat(timespec="milliseconds")
+    result.metrics["command"] = " ".join(sys.argv)  # the stage's command line: the MLflow run's source
     # rank 0's GPU: median SM clock, temperature and power over the stage, energy per image (its power over its
     # own share of the throughput)
     result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s_per_process")))

@@ -7,12 +7,13 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ampbench import config, data, env, runplan
+from ampbench import config, data, env, runplan, tracking
 from ampbench.sandbox import REPO_ROOT, env_with_venv
 
 
@@ -71,6 +72,7 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     store = f"sqlite:///{repo / 'store.db'}"
     sync = [sys.executable, "-m", "ampbench.cli", "mlflow-sync"]
     environ["MLFLOW_TRACKING_URI"] = store
+    synced_at = int(time.time() * 1000)  # the training's times, not the logging's
     first = subprocess.run(sync, cwd=repo, env=environ, capture_output=True, text=True, timeout=300)
     second = subprocess.run(sync, cwd=repo, env=environ, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and "MLflow: logged train@fp32" in first.stdout, first.stderr[-2000:]
@@ -79,6 +81,19 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     runs = client.search_runs([client.get_experiment_by_name("ampbench").experiment_id])
     assert [r.info.run_name for r in runs] == ["train@fp32"]
     assert runs[0].data.params["train.batch_size"] == "32" and "final_acc" in runs[0].data.metrics
+    # logged later, the run still says when the training ran, how it ended and what it ran on
+    m = json.loads((reports / "runs" / "fp32" / "metrics.json").read_text())
+    info = runs[0].info
+    assert info.status == "FINISHED" and info.start_time == tracking._ms(m["started_at"])
+    assert info.end_time == tracking._ms(m["finished_at"]) and info.start_time < info.end_time < synced_at
+    tags = runs[0].data.tags
+    assert "stages/train.py --plan" in tags["mlflow.source.name"] and tags["mlflow.source.git.commit"]
+    inputs = {d.dataset.name: d for d in runs[0].inputs.dataset_inputs}
+    assert set(inputs) == {"synthetic-train", "synthetic-test"}
+    assert {d.tags[0].value for d in inputs.values()} == {"training", "evaluation"}
+    digest = data.record(repo / "prepared", json.loads((repo / "prepared" / "meta.json").read_text()))["digest"]
+    assert inputs["synthetic-train"].dataset.digest == digest
+    assert json.loads(inputs["synthetic-train"].dataset.profile)["num_rows"] == 64
 
 
 # --- what MLflow 3's UI opens on ----------------------------------------------------------------

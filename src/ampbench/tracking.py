@@ -14,13 +14,14 @@ import hashlib
 import json
 import math
 import os
+from datetime import datetime
 from pathlib import Path
 
 # Fail fast against an unreachable server instead of minutes of retries (set before mlflow is imported).
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
-from mlflow.entities import Metric, Param  # noqa: E402
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from ampbench import results  # noqa: E402
@@ -31,6 +32,7 @@ KEY_TAG = "ampbench.run_key"
 # MLflow 3's UI reads this experiment tag to know what kind of experiment it shows; without it the UI asks, and
 # leans to the GenAI (traces) view. Training runs are "custom model development": the runs table and charts.
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+CONTEXT_TAG = "mlflow.data.context"  # a dataset input's role: training or evaluation
 
 
 def _experiment_id(client: MlflowClient, cfg: MlflowConfig, uri: str, repo_root: Path) -> str:
@@ -96,8 +98,10 @@ def pipeline_id(plans_dir: Path, env_path: Path) -> str:
 
 def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, params: dict, metrics: dict,
             tags: dict, history: list[dict] | None = None, artifacts: list[Path] = (),
-            series: list[Metric] = ()) -> tuple[str, bool]:
-    """Log one finished stage execution as an MLflow run; (run id, whether it was new)."""
+            series: list[Metric] = (), inputs: list[DatasetInput] = (), start_ms: int | None = None,
+            end_ms: int | None = None, status: str = "FINISHED") -> tuple[str, bool]:
+    """Log one finished stage execution as an MLflow run, with the stage's own start and end times and status
+    (logging happens after the work); (run id, whether it was new)."""
     uri = tracking_uri(cfg, repo_root)
     client = MlflowClient(uri)
     exp_id = _experiment_id(client, cfg, uri, repo_root)
@@ -105,8 +109,10 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     if found:
         return found[0].info.run_id, False
     tags = {**{k: str(v) for k, v in tags.items() if v is not None}, KEY_TAG: key}
-    rid = client.create_run(exp_id, run_name=run_name, tags=tags).info.run_id
+    rid = client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id
     try:
+        if inputs:
+            client.log_inputs(rid, datasets=list(inputs))
         flat_params = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
         ms = [Metric(k.replace(".", "/"), v, 0, 0) for k, v in
               ((k, _metric_value(v)) for k, v in flatten(metrics).items()) if v is not None]
@@ -125,20 +131,47 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
                 client.log_artifact(rid, str(path))
             elif Path(path).is_dir():
                 client.log_artifacts(rid, str(path), artifact_path=Path(path).name)
-        client.set_terminated(rid, "FINISHED")
+        client.set_terminated(rid, status, end_time=end_ms)
     except BaseException:
         client.set_terminated(rid, "FAILED")
         raise
     return rid, True
 
 
-def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str | None) -> dict:
-    """Tags that make one pipeline's runs easy to find and compare in the UI (filter on ampbench.pipeline)."""
+def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str | None,
+          command: str | None = None) -> dict:
+    """Tags that make one pipeline's runs easy to find and compare in the UI (filter on ampbench.pipeline), and
+    MLflow's own source tags: the stage's command line and the git commit it ran at."""
+    commit = metrics.get("git_commit") or git_commit()
     return {"stage": stage, "variant": variant, "precision": metrics.get("precision"),
             "accum_steps": metrics.get("accum_steps"), "world_size": metrics.get("world_size"),
-            "grad_comm": metrics.get("grad_comm"), "git_commit": metrics.get("git_commit") or git_commit(),
+            "grad_comm": metrics.get("grad_comm"), "git_commit": commit,
             "dvc_exp_name": os.environ.get("DVC_EXP_NAME"), "env_fingerprint": fingerprint(env_info),
-            "ampbench.pipeline": pipeline}
+            "ampbench.pipeline": pipeline, "mlflow.source.type": "LOCAL",
+            "mlflow.source.name": command or f"stages/{stage}.py", "mlflow.source.git.commit": commit}
+
+
+def _ms(iso: str | None) -> int | None:
+    """An ISO time (a run's started_at, finished_at) in epoch milliseconds, as MLflow takes it."""
+    try:
+        return int(datetime.fromisoformat(iso).timestamp() * 1000) if iso else None
+    except ValueError:
+        return None
+
+
+def dataset_inputs(record: dict | None) -> list[DatasetInput]:
+    """The prepared set as MLflow dataset inputs: its training split (context training) and its evaluation split
+    (context evaluation), named by source, with the digest of the prepared files and each split's size."""
+    if not record:
+        return []
+    out = []
+    for split, context in (("train", "training"), ("test", "evaluation")):
+        profile = {"num_rows": record[f"{split}_count"], "num_classes": record.get("num_classes"),
+                   "image_shape": record.get("image_shape")}
+        ds = Dataset(name=f"{record['name']}-{split}", digest=record["digest"], source_type="local",
+                     source=json.dumps({"uri": record["source"]}), profile=json.dumps(profile))
+        out.append(DatasetInput(ds, tags=[InputTag(CONTEXT_TAG, context)]))
+    return out
 
 
 def _series(run: dict) -> list[Metric]:
@@ -163,12 +196,16 @@ def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, e
     files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.GRAD_NORM,
                                          results.NUMERICS,
                                          results.SYSTEM, results.TRACE)]
-    tags = _tags("train", m["variant"], m, env_info, pipeline)
+    tags = _tags("train", m["variant"], m, env_info, pipeline, m.get("command"))
     tags["ampbench.status"] = m.get("status", "complete")
     if m.get("diagnosis"):  # a run stopped by inf/NaN: the first bad layer and gradient, searchable
         tags["ampbench.diagnosis"] = json.dumps(m["diagnosis"])[:5000]
     return log_run(cfg, repo_root, run_name=f"train@{m['variant']}", key=file_key(run_dir / results.METRICS),
-                   params=plan, metrics=m, history=run["history"], series=_series(run), tags=tags, artifacts=files)
+                   params=plan, metrics={k: v for k, v in m.items() if k != "dataset"}, history=run["history"],
+                   series=_series(run), tags=tags, artifacts=files,
+                   inputs=dataset_inputs(m.get("dataset")), start_ms=_ms(m.get("started_at")),
+                   end_ms=_ms(m.get("finished_at")),
+                   status="FINISHED" if m.get("status", "complete") == "complete" else "FAILED")
 
 
 def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json: Path, fig_dir: Path,

@@ -14,6 +14,7 @@ each batch to the device through DataLoader workers.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -33,8 +34,7 @@ from ampbench.data.synthetic import synthetic
 from ampbench.errors import DataError
 
 __all__ = ["ARCHIVE_NAME", "FILE_LIST", "Batches", "DeviceBatches", "StreamBatches", "describe", "load_prepared",
-           "prepare",
-           "resident_bytes", "synthetic", "synthetic_in_memory", "synthetic_splits"]
+           "prepare", "record", "resident_bytes", "synthetic", "synthetic_in_memory", "synthetic_splits"]
 
 FORMS = ("tensors", "files")  # a prepared set: decoded uint8 tensors, or a folder's list of files (streamed)
 FILE_LIST = "files.json"  # a streamed folder's prepared set: its images' paths and labels, per split
@@ -202,3 +202,19 @@ def _load_files(folder_: Path, meta: dict, stream: bool, out: dict) -> dict:
         paths, labels = out[split]
         out[split] = (folder.ImageFiles(root, paths, meta["image_shape"][-1]), labels)
     return out
+
+
+def record(folder_: Path, meta: dict) -> dict:
+    """What a tracker records of a prepared set: its name, where it came from, a digest of its files (the same
+    files, the same digest) and its splits' sizes."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(folder_).iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0")
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+    where = {"folder": meta.get("path"), "synthetic": f"synthetic, seed {meta.get('seed')}"}.get(meta["source"])
+    return {"name": meta["source"], "digest": h.hexdigest()[:16],
+            "source": where or f"{meta['source']} archive, md5 {meta.get('md5')}",
+            "train_count": meta["train_count"], "test_count": meta["test_count"],
+            "num_classes": meta.get("num_classes"), "image_shape": meta.get("image_shape")}
