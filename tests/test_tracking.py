@@ -137,3 +137,37 @@ def test_mlflow_ui_command_on_a_missing_store_is_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "ampbench.cli", "mlflow-ui", "--store", str(tmp_path / "no.db")],
                           capture_output=True, text=True, env=env_with_venv(), timeout=120, cwd=tmp_path)
     assert proc.returncode == 2 and "no such file" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_mlflow_ui_prints_its_page_once_the_server_answers_and_sigterm_stops_every_process(tmp_path, tmp_mlflow):
+    import signal
+    import urllib.request
+
+    import psutil
+
+    from ampbench import tracking
+    tracking.log_run(config.MlflowConfig(), tmp_path, run_name="r", key="k", params={}, metrics={"x": 1.0}, tags={})
+    store = tmp_mlflow.removeprefix("sqlite:///")
+    port = _free_port()
+    ui = subprocess.Popen([sys.executable, "-m", "ampbench.cli", "mlflow-ui", "--store", store, "--port", str(port)],
+                          cwd=tmp_path, env=env_with_venv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    try:
+        lines = []
+        for line in ui.stdout:
+            lines.append(line)
+            if line.startswith("open http"):
+                break
+        assert lines and lines[-1].startswith(f"open http://127.0.0.1:{port}/#/experiments/"), "".join(lines)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:  # up when it said so
+            assert r.status == 200
+        family = psutil.Process(ui.pid).children(recursive=True)
+        assert family  # the mlflow server and its workers
+        ui.send_signal(signal.SIGTERM)
+        assert ui.wait(timeout=60) == 0
+        _, alive = psutil.wait_procs(family, timeout=15)
+        assert not alive, [p.cmdline() for p in alive]
+    finally:
+        if ui.poll() is None:
+            ui.kill()

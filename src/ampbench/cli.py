@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import subprocess
 import sys
 import time
@@ -73,12 +74,59 @@ def mlflow_ui(args) -> None:
         return
     base = f"http://{args.host}:{args.port}"
     pipeline = tracking.latest_pipeline(uri, exp_id) if exp_id else None
-    print(f"MLflow UI for {uri}\nopen {tracking.ui_url(base, exp_id)}\n"
-          f"  the runs table: search tags.`ampbench.pipeline` = '{pipeline or '<id>'}' for one pipeline's runs, tick "
-          "them and press Compare, or click the chart icon for every metric side by side", flush=True)
-    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C is how a UI is stopped
-        subprocess.run([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
-                        "--port", str(args.port)], check=False)
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
+                               "--port", str(args.port)], start_new_session=True)  # its own group, all stopped as one
+    stop = _stopper(server)
+    signal.signal(signal.SIGTERM, stop)  # what a process manager sends: the server and its workers go too
+    signal.signal(signal.SIGINT, stop)
+    try:
+        print(f"MLflow UI for {uri}: starting on {base} ...", flush=True)
+        if not _wait_until_up(server, base, args.wait):
+            code = server.poll()
+            raise ConfigError(f"the MLflow UI did not start on {base} ("
+                              + (f"it exited with status {code}, above: is port {args.port} in use? try --port"
+                                 if code is not None else f"no answer within {args.wait:g} s") + ")")
+        print(f"open {tracking.ui_url(base, exp_id)}\n"
+              f"  the runs table: search tags.`ampbench.pipeline` = '{pipeline or '<id>'}' for one pipeline's runs, "
+              "tick them and press Compare, or click the chart icon for every metric side by side\n"
+              "  Ctrl-C stops it", flush=True)
+        server.wait()
+    finally:
+        stop()
+
+
+def _wait_until_up(server: subprocess.Popen, base: str, timeout: float) -> bool:
+    """Poll the server's /health until it answers; False if it exits first or does not answer in time."""
+    from ampbench.env import check_tracking_server
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            return False
+        if check_tracking_server(base, timeout=2) is None:
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _stopper(server: subprocess.Popen):
+    """A signal handler (and a plain call) that stops the server's whole process tree, then exits."""
+    def stop(signum=None, frame=None):
+        import psutil
+        try:
+            family = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            family = []
+        for proc in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.terminate()
+        _, alive = psutil.wait_procs(family, timeout=10)
+        for proc in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        if signum is not None:
+            print("MLflow UI stopped", flush=True)
+            sys.exit(0)
+    return stop
 
 
 def roofline_cmd(args) -> None:
@@ -143,6 +191,7 @@ def main() -> None:
     u.add_argument("--store", default="", help="an ampbench SQLite store, e.g. demo/mlflow.db (default: params)")
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=5000)
+    u.add_argument("--wait", type=float, default=180, help="seconds to wait for the server to answer")
     r = sub.add_parser("roofline", help="what each precision could give at most on a GPU, from its datasheet")
     r.add_argument("--gpu", required=True, help='a GPU of the datasheet table, e.g. "RTX 5090" or H100 SXM; or all')
     r.add_argument("--params", default="params.yaml")
