@@ -44,6 +44,8 @@ def main() -> None:
         pipeline = tracking.pipeline_id(Path(args.plans), Path(args.env))
         tracking.safely("report", tracking.log_report, cfg.mlflow, Path.cwd(), md, summary_path, fig_dir, info,
                         pipeline)
+        tracking.safely("the ratios on the training runs", tracking.log_comparison, cfg.mlflow, Path.cwd(),
+                        summary_path, Path(args.runs))
 
 
 if __name__ == "__main__":

@@ -139,6 +139,18 @@ def test_mlflow_server_serves_the_runs(pipeline):
         metrics = {m["key"] for m in by_name["train@amp"]["data"]["metrics"]}
         assert {"final_acc", "imgs_per_s", "eval/acc", "train/loss", "train/loss_scale_by_step",
                 "system/process_rss_bytes"} <= metrics
+        # the comparison a user came for, on the training run itself, first in the UI's (character-code) order
+        compare = {"Compare/1_speedup_vs_strict_fp32", "Compare/1_speedup_vs_strict_fp32_ci95_lo",
+                   "Compare/1_speedup_vs_strict_fp32_ci95_hi", "Compare/2_speedup_vs_tf32",
+                   "Compare/3_peak_memory_vs_strict_fp32", "Compare/4_activation_memory_vs_strict_fp32",
+                   "Compare/5_accuracy_diff_vs_strict_fp32_points"}
+        assert set(sorted(metrics)[:len(compare)]) == compare, sorted(metrics)[:10]
+        values = {m["key"]: m["value"] for m in by_name["train@amp"]["data"]["metrics"]}
+        row = json.loads((repo / "reports" / "summary.json").read_text())["variants"]["amp"]
+        assert values["Compare/1_speedup_vs_strict_fp32"] == pytest.approx(row["speedup"])
+        assert values["Compare/5_accuracy_diff_vs_strict_fp32_points"] == pytest.approx(100 * row["acc_diff"])
+        fp32 = {m["key"]: m["value"] for m in by_name["train@fp32"]["data"]["metrics"]}
+        assert fp32["Compare/1_speedup_vs_strict_fp32"] == 1.0
         for name, wanted in (("train@amp", {"metrics.json", "history.csv", "profile_trace.json"}),
                              ("report", {"report.md", "summary.json", "figures"})):
             rid = by_name[name]["info"]["run_id"]
