@@ -87,7 +87,8 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     assert info.status == "FINISHED" and info.start_time == tracking._ms(m["started_at"])
     assert info.end_time == tracking._ms(m["finished_at"]) and info.start_time < info.end_time < synced_at
     tags = runs[0].data.tags
-    assert "stages/train.py --plan" in tags["mlflow.source.name"] and tags["mlflow.source.git.commit"]
+    assert tags["mlflow.source.name"] == "dvc repro train@fp32" and tags["mlflow.source.git.commit"]
+    assert "stages/train.py --plan" in tags["ampbench.command"]
     inputs = {d.dataset.name: d for d in runs[0].inputs.dataset_inputs}
     assert set(inputs) == {"synthetic-train", "synthetic-test"}
     assert {d.tags[0].value for d in inputs.values()} == {"training", "evaluation"}

@@ -142,14 +142,17 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
 def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str | None,
           command: str | None = None) -> dict:
     """Tags that make one pipeline's runs easy to find and compare in the UI (filter on ampbench.pipeline), and
-    MLflow's own source tags: the stage's command line and the git commit it ran at."""
+    MLflow's own source tags: the stage's DVC command and the git commit it ran at (its command line in
+    ampbench.command)."""
     commit = metrics.get("git_commit") or git_commit()
     return {"stage": stage, "variant": variant, "precision": metrics.get("precision"),
             "accum_steps": metrics.get("accum_steps"), "world_size": metrics.get("world_size"),
             "grad_comm": metrics.get("grad_comm"), "git_commit": commit,
             "dvc_exp_name": os.environ.get("DVC_EXP_NAME"), "env_fingerprint": fingerprint(env_info),
-            "ampbench.pipeline": pipeline, "mlflow.source.type": "LOCAL",
-            "mlflow.source.name": command or f"stages/{stage}.py", "mlflow.source.git.commit": commit}
+            "ampbench.pipeline": pipeline, "ampbench.command": command, "mlflow.source.type": "LOCAL",
+            # what reruns it, shown whole in the runs table's Source column (the UI shows a path's last part)
+            "mlflow.source.name": f"dvc repro {stage}" + (f"@{variant}" if stage == "train" else ""),
+            "mlflow.source.git.commit": commit}
 
 
 def _ms(iso: str | None) -> int | None:
@@ -221,7 +224,7 @@ def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json
 # The report's ratios, logged onto each variant's training run. MLflow gives a client no say in the order of
 # columns or chart sections: its UI sorts metric names by character code, so an upper-case section comes before
 # every lower-case one (eval/, train/, system/, the run's own figures), and the numbers keep the order within it.
-COMPARE = {"speedup": "Compare/1_speedup_vs_strict_fp32", "speedup_ci95": "Compare/1_speedup_vs_strict_fp32_ci95",
+COMPARE = {"speedup": "Compare/1_speedup_vs_strict_fp32", "speedup_ci95": "Compare/6_speedup_vs_strict_fp32_ci95",
            "vs_tf32": "Compare/2_speedup_vs_tf32", "mem_ratio": "Compare/3_peak_memory_vs_strict_fp32",
            "activation_ratio": "Compare/4_activation_memory_vs_strict_fp32",
            "acc_diff": "Compare/5_accuracy_diff_vs_strict_fp32_points"}
