@@ -11,6 +11,7 @@ model, the data or the machine cannot run what is asked.
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from ampbench import config, data, env, models, precision, runplan
@@ -71,6 +72,7 @@ def main() -> None:
     cfg = config.load(args.params)  # every check happens before anything is written
     # the data source checks its own files (an archive, a folder) first; a folder's last check is reused
     desc = data.describe(cfg.data, _last(Path(args.data_source)))
+    env.check_queue(config.project_root(Path.cwd()), os.environ.get("DVC_EXP_NAME"))
     info = env.probe()
     device = env.resolve_device(cfg.device, info, {v.precision for v in cfg.variants.values()})
     model = models.check(cfg.model, num_classes=desc["num_classes"],

@@ -296,14 +296,21 @@ def _cross_check(cfg: Config) -> None:
                           f"{' | '.join(ARCH_NAMES)} | tv:<torchvision model>, e.g. tv:resnet50")
 
 
+def project_root(cwd: Path) -> Path:
+    """The repository a stage belongs to: $DVC_ROOT, which DVC sets to the repository an experiment was queued
+    from when it runs in a temporary workspace (``dvc exp run --queue``, ``--temp``), else ``cwd``."""
+    return Path(os.environ.get("DVC_ROOT") or cwd).resolve()
+
+
 def tracking_uri(cfg: MlflowConfig, repo_root: Path) -> str:
-    """Where MLflow runs go: $MLFLOW_TRACKING_URI, else params.yaml's, else this repository's own store."""
+    """Where MLflow runs go: $MLFLOW_TRACKING_URI, else params.yaml's, else this repository's own store (the
+    queuing repository's for a queued experiment: a temporary workspace's store would be deleted with it)."""
     env = os.environ.get("MLFLOW_TRACKING_URI", "")
     if env:
         return env
     if cfg.tracking_uri:
         return cfg.tracking_uri
-    return f"sqlite:///{Path(repo_root).resolve() / 'mlflow.db'}"
+    return f"sqlite:///{project_root(repo_root) / 'mlflow.db'}"
 
 
 def _migrate(raw: dict) -> dict:

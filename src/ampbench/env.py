@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import math
 import os
 import platform
@@ -251,6 +252,30 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # no affinity API on this platform
         return os.cpu_count() or 1
+
+
+def queue_workers(root: Path) -> int:
+    """DVC experiment-queue workers running for the repository at ``root`` (``dvc queue start -j N`` starts N):
+    each runs one queued experiment at a time, so N > 1 trains several at once on this machine."""
+    found = 0
+    for info in (Path(root) / ".dvc" / "tmp" / "exps" / "celery").glob("dvc-exp-worker-*.json"):
+        try:
+            proc = psutil.Process(int(json.loads(info.read_text())["pid"]))
+            found += proc.is_running() and "queue-worker" in " ".join(proc.cmdline())
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            continue  # a worker that has exited (its files stay behind)
+    return found
+
+
+def check_queue(root: Path, experiment: str | None) -> None:
+    """Stop a queued experiment when other queue workers would train beside it: several trainings on one GPU
+    measure each other, and several writers share one SQLite tracking store."""
+    workers = queue_workers(root) if experiment else 0
+    if workers > 1:
+        raise EnvironmentMismatch(
+            f"experiment {experiment} runs beside {workers - 1} other DVC queue worker(s) (dvc queue start -j "
+            f"{workers}): their trainings would share this machine and time each other; run the queue with one "
+            "worker: dvc queue stop, then dvc queue start (and dvc exp run --run-all for the failed ones)")
 
 
 SHM = "/dev/shm"

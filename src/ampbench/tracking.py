@@ -26,7 +26,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param  # no
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from ampbench import results  # noqa: E402
-from ampbench.config import MlflowConfig, flatten, tracking_uri  # noqa: E402
+from ampbench.config import MlflowConfig, flatten, project_root, tracking_uri  # noqa: E402
 from ampbench.env import fingerprint, git_commit  # noqa: E402
 
 KEY_TAG = "ampbench.run_key"
@@ -44,7 +44,7 @@ def _experiment_id(client: MlflowClient, cfg: MlflowConfig, uri: str, repo_root:
         return exp.experiment_id
     artifacts = None
     if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
-        artifacts = (Path(repo_root).resolve() / "mlartifacts").as_uri()
+        artifacts = (project_root(repo_root) / "mlartifacts").as_uri()
     return client.create_experiment(cfg.experiment, artifact_location=artifacts, tags={KIND_TAG: KIND})
 
 

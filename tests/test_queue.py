@@ -1,0 +1,92 @@
+"""DVC's experiment queue: queued experiments log to the repository's own MLflow store, rerun only the stages
+whose inputs changed, and are refused when several queue workers would train at once."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from ampbench import env, sandbox
+from ampbench.errors import EnvironmentMismatch
+from ampbench.sandbox import REPO_ROOT
+
+
+def _dvc(repo, *args, timeout=600):
+    environ = {k: v for k, v in sandbox.env_with_venv().items() if k != "MLFLOW_TRACKING_URI"}  # the repo's store
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=environ, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_queued_experiments_log_to_the_repository_store_and_skip_unchanged_stages(tmp_path):
+    from tests.conftest import SHRINK
+    params = sandbox.merge(copy.deepcopy(yaml.safe_load((REPO_ROOT / "params.yaml").read_text())), SHRINK)
+    params = sandbox.merge(params, {"data": {"train_size": 64, "test_size": 32}, "amp": {"audit_batches": 0},
+                                    "profile": {"steps": 0}, "sweep": {"enabled": False}})
+    params["variants"] = {"fp32": {"precision": "fp32"}, "amp": {"precision": "fp16"}}
+    repo = sandbox.create(tmp_path / "repo", params)
+    first = _dvc(repo, "repro")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    sandbox.commit(repo, "results")
+    for scale in (65536, 1024):
+        queued = _dvc(repo, "exp", "run", "--queue", "-S", f"amp.init_scale={scale}", "-n", f"scale{scale}")
+        assert queued.returncode == 0, queued.stderr[-2000:]
+    started = _dvc(repo, "queue", "start")
+    assert started.returncode == 0, started.stderr[-2000:]
+    deadline = time.time() + 600
+    while True:
+        status = _dvc(repo, "queue", "status").stdout
+        if "Running" not in status and "Queued" not in status:
+            break
+        assert time.time() < deadline, status
+        time.sleep(3)
+    assert status.count("Success") == 2, status
+    for name in ("scale65536", "scale1024"):
+        log = _dvc(repo, "queue", "logs", name).stdout
+        assert "Running stage 'train@amp'" in log and "Stage 'train@fp32' didn't change, skipping" in log, log
+        assert "Creating initial MLflow database tables" not in log  # no store of its own in the temporary workspace
+    shown = _dvc(repo, "exp", "show", "--json")
+    assert "scale65536" in shown.stdout and "scale1024" in shown.stdout
+    with sqlite3.connect(repo / "mlflow.db") as db:
+        runs = db.execute("SELECT r.name, t.value FROM runs r LEFT JOIN tags t ON t.run_uuid = r.run_uuid "
+                          "AND t.key = 'dvc_exp_name'").fetchall()
+    assert {(n, e) for n, e in runs if e} == {("train@amp", "scale65536"), ("report", "scale65536"),
+                                              ("train@amp", "scale1024"), ("report", "scale1024")}
+    assert sorted(n for n, e in runs if not e) == ["report", "train@amp", "train@fp32"]
+    assert not list((repo / ".dvc" / "tmp").rglob("mlflow.db"))
+
+
+def test_several_queue_workers_are_refused_before_training(tmp_path):
+    celery = tmp_path / ".dvc" / "tmp" / "exps" / "celery"
+    celery.mkdir(parents=True)
+    workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "queue-worker"])
+               for _ in range(2)]
+    try:
+        for i, w in enumerate(workers, 1):
+            (celery / f"dvc-exp-worker-{i}.json").write_text(json.dumps({"pid": w.pid}))
+        (celery / "dvc-exp-worker-3.json").write_text(json.dumps({"pid": 999_999_999}))  # exited: not counted
+        assert env.queue_workers(tmp_path) == 2
+        env.check_queue(tmp_path, None)  # not a queued experiment: dvc repro in the workspace
+        with pytest.raises(EnvironmentMismatch) as err:
+            env.check_queue(tmp_path, "scale1024")
+        assert "dvc queue start -j 2" in str(err.value) and "one worker" in str(err.value)
+        (tmp_path / "params.yaml").write_text("device: cpu\nmlflow: {enabled: false}\n")
+        r = tmp_path / "reports"
+        proc = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--params", "params.yaml",
+                               "--env", str(r / "env.json"), "--plans", str(r / "plans"), "--data-source",
+                               str(r / "ds.json"), "--model-source", str(r / "ms.json"), "--roofline",
+                               str(r / "rl.json")], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "DVC_EXP_NAME": "scale1024", "DVC_ROOT": str(tmp_path)})
+        assert proc.returncode == 2 and "dvc queue start -j 2" in proc.stderr and "Traceback" not in proc.stderr
+        assert not r.exists()  # refused before anything is written
+    finally:
+        for w in workers:
+            w.kill()
