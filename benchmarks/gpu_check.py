@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ampbench import data, env
-from ampbench.config import AmpConfig, MlflowConfig, ModelConfig, TrainConfig
+from ampbench.config import AmpConfig, ModelConfig, TrainConfig
 from ampbench.measure import stats
 from ampbench.precision import amp_settings, spec, unsupported
 from ampbench.runplan import RunPlan
@@ -41,7 +41,7 @@ def plan_for(name, precision, accum, args, epochs=1, repeats=None) -> RunPlan:
                    model=ModelConfig(arch=args.arch, channels_last=True),
                    train=TrainConfig(epochs=epochs, batch_size=args.batch, warmup_steps=args.warmup,
                                      allow_tf32=spec(precision).tf32, repeats=repeats),
-                   amp=amp_settings(precision, AmpConfig()), mlflow=MlflowConfig(enabled=False))
+                   amp=amp_settings(precision, AmpConfig()))
 
 
 def _gib(n) -> str:

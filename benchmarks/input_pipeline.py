@@ -37,7 +37,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 from ampbench import config, data, env, models
-from ampbench.config import DataConfig, MlflowConfig, ModelConfig, ProfileConfig, TrainConfig
+from ampbench.config import DataConfig, ModelConfig, ProfileConfig, TrainConfig
 from ampbench.measure.clock import synchronize
 from ampbench.precision import DTYPES, amp_settings
 from ampbench.runplan import RunPlan
@@ -61,7 +61,7 @@ def plan(args, placement: str) -> RunPlan:
     return RunPlan(variant=placement, precision=args.precision, accum_steps=1, device=args.device, seed=0,
                    model=ModelConfig(arch=args.arch, channels_last=True),
                    train=TrainConfig(epochs=1, batch_size=args.batch, warmup_steps=args.warmup, augment=True),
-                   amp=amp_settings(args.precision, config.AmpConfig()), mlflow=MlflowConfig(enabled=False),
+                   amp=amp_settings(args.precision, config.AmpConfig()),
                    profile=ProfileConfig(steps=0), placement=placement,
                    workers=args.workers if placement == "stream" else 0)
 

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from ampbench import config, data, models
-from ampbench.config import MlflowConfig, ModelConfig, ProfileConfig, TrainConfig
+from ampbench.config import ModelConfig, ProfileConfig, TrainConfig
 from ampbench.measure.clock import synchronize
 from ampbench.precision import DTYPES, amp_settings, spec
 from ampbench.runplan import RunPlan
@@ -104,7 +104,7 @@ def main() -> None:
                        model=ModelConfig(arch=args.arch, channels_last=True),
                        train=TrainConfig(epochs=1, batch_size=args.batch, warmup_steps=args.warmup, augment=augment),
                        amp=amp_settings(args.precision, config.AmpConfig()),
-                       mlflow=MlflowConfig(enabled=False), profile=ProfileConfig(steps=0))
+                       profile=ProfileConfig(steps=0))
 
     print(f"{args.arch}, {args.precision}, batch {args.batch}, {args.images} images, {args.device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -101,8 +101,8 @@ def main() -> None:
         uri = config.tracking_uri(cfg.mlflow, Path.cwd())
         problem = env.check_tracking_server(uri)
         if problem:
-            print(f"warning: MLflow tracking server {uri} {problem}. Training will run and keep its results "
-                  "on disk; log them later with `ampbench mlflow-sync`, or set mlflow.enabled: false")
+            print(f"warning: MLflow tracking server {config.redact(uri)} {problem}. Training will run and keep its "
+                  "results on disk; log them later with `ampbench mlflow-sync`, or set mlflow.enabled: false")
     gpu = info["gpu"]
     print(f"env_check: device {device}" + (f" ({gpu['name']}, sm {gpu['capability']})" if gpu else "")
           + f", torch {info['torch']}, variants: {', '.join(plans)}"

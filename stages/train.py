@@ -32,7 +32,9 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="the prepared data folder")
     ap.add_argument("--env", required=True, help="env.json, written by env_check")
     ap.add_argument("--out", required=True, help="folder for this variant's run files")
-    ap.add_argument("--checkpoints", required=True, help="folder for this variant's checkpoints (DVC persist)")
+    ap.add_argument("--checkpoints", required=True, help="folder for this variant's checkpoints (kept until done)")
+    ap.add_argument("--params", default="params.yaml", help="where the tracking settings (mlflow:) are read: "
+                    "not part of the plan, so pointing at another tracking server retrains nothing")
     args = ap.parse_args()
 
     plan = runplan.read_plan(args.plan)
@@ -63,13 +65,13 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
         if err.result is not None and world.main:
             err.result.system = monitor.rows
             err.result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
-            save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env))
+            save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env), args.params)
         raise
     if not world.main:
         return
     result.system = monitor.rows
     result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
-    save(plan, result, info, out, Path(args.plan).parent, Path(args.env))
+    save(plan, result, info, out, Path(args.plan).parent, Path(args.env), args.params)
     checkpoint.clear(Path(args.checkpoints))
     procs = f" over {world.size} processes ({world.backend})" if world.active else ""
     print(f"train@{plan.variant}: final accuracy {result.metrics['final_acc']:.4f}, "
@@ -77,7 +79,7 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
 
 
 def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path, plans_dir: Path,
-         env_path: Path) -> None:
+         env_path: Path, params: str = "params.yaml") -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
     result.metrics["git_commit"] = env.git_commit()
     result.metrics["finished_at"] = datetime.now(UTC).isoformat(timespec="milliseconds")
@@ -88,10 +90,11 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
     result.metrics["env_fingerprint"] = env.fingerprint(info)
     results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
                       result.numerics, result.system, result.profile_trace, result.grad_norms)
-    if plan.mlflow.enabled:
+    tracking_cfg = config.load(params).mlflow if Path(params).is_file() else config.MlflowConfig()
+    if tracking_cfg.enabled:
         from ampbench import tracking
         pipeline = tracking.pipeline_id(plans_dir, env_path)
-        tracking.safely(f"train@{plan.variant}", tracking.log_variant, plan.mlflow, Path.cwd(), out,
+        tracking.safely(f"train@{plan.variant}", tracking.log_variant, tracking_cfg, Path.cwd(), out,
                         config.to_dict(plan), info, pipeline)
 
 

@@ -112,7 +112,8 @@ def test_detect_anomaly_reports_the_failing_op(tiny, monkeypatch):
 
 def test_stage_exits_3_and_keeps_completed_epochs(tiny, tmp_path, monkeypatch, capsys):
     out, ckpt = tmp_path / "runs" / "amp", tmp_path / "ckpt"
-    runplan.write_plan(_plan(mlflow={"enabled": False}), tmp_path / "amp.json")
+    runplan.write_plan(_plan(), tmp_path / "amp.json")
+    (tmp_path / "params.yaml").write_text("mlflow: {enabled: false}\n")  # where the stage reads tracking settings
     data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, tmp_path / "p", tmp_path / "r")
     (tmp_path / "env.json").write_text(json.dumps({"torch": "x", "cuda_runtime": None, "gpu": None,
                                                    "cpu_model": "cpu"}))
@@ -122,7 +123,7 @@ def test_stage_exits_3_and_keeps_completed_epochs(tiny, tmp_path, monkeypatch, c
     spec.loader.exec_module(stage)
     monkeypatch.setattr(sys, "argv", ["train.py", "--plan", str(tmp_path / "amp.json"), "--data",
                                       str(tmp_path / "p"), "--env", str(tmp_path / "env.json"), "--out", str(out),
-                                      "--checkpoints", str(ckpt)])
+                                      "--checkpoints", str(ckpt), "--params", str(tmp_path / "params.yaml")])
     with pytest.raises(SystemExit) as exit_info:
         run_cli(stage.main)
     assert exit_info.value.code == 3

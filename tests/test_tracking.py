@@ -172,3 +172,22 @@ def test_mlflow_ui_prints_its_page_once_the_server_answers_and_sigterm_stops_eve
     finally:
         if ui.poll() is None:
             ui.kill()
+
+
+def test_tracking_settings_are_not_in_the_plans_and_passwords_are_never_printed(tmp_path, capsys):
+    from ampbench import tracking
+    base = {"device": "cpu", "variants": {"fp32": {"precision": "fp32"}}}
+    for i, mlflow in enumerate(({}, {"tracking_uri": "postgresql://bob:hunter2@db:5432/mlflow", "experiment": "x"})):
+        cfg = config.from_dict({**base, "mlflow": mlflow})
+        runplan.write_plan(runplan.make_plan(cfg, "fp32", "cpu"), tmp_path / f"{i}.json")
+    assert (tmp_path / "0.json").read_text() == (tmp_path / "1.json").read_text()  # a new server retrains nothing
+    assert "mlflow" not in json.loads((tmp_path / "0.json").read_text())
+    assert config.redact("postgresql://bob:hunter2@db:5432/mlflow") == "postgresql://bob:***@db:5432/mlflow"
+    assert config.redact("http://h:5000/?token=abc&x=1") == "http://h:5000/?token=***&x=1"
+    assert config.redact("sqlite:////tmp/m.db") == "sqlite:////tmp/m.db"
+
+    def failing():
+        raise ConnectionError("could not connect to postgresql://bob:hunter2@db:5432/mlflow")
+    assert tracking.safely("train@fp32", failing) is None
+    out = capsys.readouterr().out
+    assert "bob:***@db" in out and "hunter2" not in out

@@ -70,7 +70,7 @@ def mlflow_ui(args) -> None:
                                  "`make repro` (mlflow.db) first")
     exp_id = tracking.prepare_ui(cfg, uri, Path.cwd())
     if uri.startswith(("http://", "https://")):  # a tracking server already serves its own UI
-        print(f"open {tracking.ui_url(uri, exp_id)}")
+        print(f"open {tracking.ui_url(config.redact(uri), exp_id)}")
         return
     base = f"http://{args.host}:{args.port}"
     pipeline = tracking.latest_pipeline(uri, exp_id) if exp_id else None
@@ -80,7 +80,7 @@ def mlflow_ui(args) -> None:
     signal.signal(signal.SIGTERM, stop)  # what a process manager sends: the server and its workers go too
     signal.signal(signal.SIGINT, stop)
     try:
-        print(f"MLflow UI for {uri}: starting on {base} ...", flush=True)
+        print(f"MLflow UI for {config.redact(uri)}: starting on {base} ...", flush=True)
         if not _wait_until_up(server, base, args.wait):
             code = server.poll()
             raise ConfigError(f"the MLflow UI did not start on {base} ("

@@ -15,7 +15,6 @@ from ampbench.config import (
     AmpConfig,
     Config,
     DebugConfig,
-    MlflowConfig,
     ModelConfig,
     ProfileConfig,
     TrainConfig,
@@ -43,7 +42,6 @@ class RunPlan:
     model: ModelConfig
     train: TrainConfig
     amp: AmpConfig | None         # None unless the precision uses a GradScaler (fp16)
-    mlflow: MlflowConfig
     debug: DebugConfig = field(default_factory=DebugConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     model_source: str = ""        # hash of model.factory's source: editing it reruns the train stages
@@ -69,7 +67,7 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
                                                                       device))
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
-                   amp=amp_settings(v.precision, cfg.amp), mlflow=cfg.mlflow, debug=cfg.debug,
+                   amp=amp_settings(v.precision, cfg.amp), debug=cfg.debug,
                    model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
                    grad_comm=v.grad_comm or cfg.distributed.grad_comm,
                    find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters,
@@ -84,7 +82,7 @@ def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
                    model=cfg.model, train=dataclasses.replace(
                        cfg.train, compile=False, allow_tf32=spec(precision).tf32,
                        optimizer_impl=resolve_optimizer_impl(cfg.train.optimizer_impl, device)),
-                   amp=amp_settings(precision, cfg.amp), mlflow=cfg.mlflow, ddp=False,
+                   amp=amp_settings(precision, cfg.amp), ddp=False,
                    fp8_recipe=fp8_recipe(cfg) if spec(precision).float8 else None)
 
 
@@ -115,7 +113,7 @@ def read_plan(path: str | Path) -> RunPlan:
         variant=raw["variant"], precision=raw["precision"], accum_steps=raw["accum_steps"],
         device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),
         train=TrainConfig(**raw["train"]), amp=AmpConfig(**raw["amp"]) if raw["amp"] else None,
-        mlflow=MlflowConfig(**raw["mlflow"]), debug=DebugConfig(**raw.get("debug", {})),
+        debug=DebugConfig(**raw.get("debug", {})),  # a plan's "mlflow" (older plans) is not read
         profile=ProfileConfig(**raw.get("profile", {})),
         model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
         grad_comm=raw.get("grad_comm", "none"), find_unused_parameters=raw.get("find_unused_parameters", False),

@@ -26,7 +26,7 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param  # no
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from ampbench import results  # noqa: E402
-from ampbench.config import MlflowConfig, flatten, project_root, tracking_uri  # noqa: E402
+from ampbench.config import MlflowConfig, flatten, project_root, redact_text, tracking_uri  # noqa: E402
 from ampbench.env import fingerprint, git_commit  # noqa: E402
 
 KEY_TAG = "ampbench.run_key"
@@ -273,7 +273,7 @@ def safely(what: str, fn, *args) -> str | None:
     try:
         rid, new = fn(*args)
     except Exception as err:  # any store or network failure
-        first = (str(err).splitlines() or [""])[0][:200]
+        first = redact_text((str(err).splitlines() or [""])[0])[:200]
         print(f"warning: MLflow logging of {what} failed ({type(err).__name__}: {first}); the results are on "
               "disk: log them later with `ampbench mlflow-sync`", flush=True)
         return None
