@@ -99,9 +99,14 @@ def main() -> None:
         print(f"warning: {warning}")
     if cfg.mlflow.enabled:
         uri = config.tracking_uri(cfg.mlflow, Path.cwd())
+        if uri.split(":", 1)[0].split("+", 1)[0] in env.DATABASES:
+            print(f"warning: MLflow tracking store {config.redact(uri)} is a database this machine would write to "
+                  "directly (running MLflow's schema migrations, keeping artifacts on its own disk); for a team, "
+                  "run one `mlflow server --serve-artifacts` on it and point every machine at that server's "
+                  "http:// address (README, For a team)")
         problem = env.check_tracking_server(uri)
         if problem:
-            print(f"warning: MLflow tracking server {config.redact(uri)} {problem}. Training will run and keep its "
+            print(f"warning: MLflow tracking store {config.redact(uri)} {problem}. Training will run and keep its "
                   "results on disk; log them later with `ampbench mlflow-sync`, or set mlflow.enabled: false")
     gpu = info["gpu"]
     print(f"env_check: device {device}" + (f" ({gpu['name']}, sm {gpu['capability']})" if gpu else "")

@@ -5,6 +5,7 @@
     ampbench demo --arch vit_tiny --ladder --optimizer adamw   # a transformer at every precision: fp32 ... fp8
     ampbench mlflow-sync     # log the on-disk runs that are not in MLflow yet (after a tracking outage)
     ampbench mlflow-ui       # the MLflow UI on this repository's store, opened on the runs table
+    ampbench compare         # what each precision bought on each machine logging to the team's tracking server
     ampbench roofline --gpu "RTX 5090"   # what each precision could give there at most, for params.yaml's model
     ampbench roofline --gpu all          # the same for every GPU in the datasheet table
 """
@@ -58,6 +59,27 @@ def mlflow_sync(args) -> None:
                            r / "summary.json", r / "figures")
     if failed:
         sys.exit(1)
+
+
+def compare(args) -> None:
+    """From the tracking store several machines log to: a table (and a figure) of each precision's speedup on each
+    machine, machines grouped by configuration."""
+    from ampbench.env import check_tracking_server
+    from ampbench.tracking import compare as cmp
+    cfg = config.load(args.params).mlflow if Path(args.params).is_file() else config.MlflowConfig()
+    uri = config.tracking_uri(cfg, Path.cwd())
+    problem = check_tracking_server(uri)
+    if problem:
+        raise ConfigError(f"MLflow tracking server {config.redact(uri)} {problem}; start it, or set "
+                          "MLFLOW_TRACKING_URI to the team's server")
+    page, groups = cmp.report(cmp.MlflowClient(uri), args.experiment or cfg.experiment)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(page)
+    print(page)
+    if groups:
+        cmp.figure(groups, out.with_suffix(".png"))
+        print(f"written: {out.with_suffix('.md')}, {out.with_suffix('.png')} (from {config.redact(uri)})")
 
 
 def mlflow_ui(args) -> None:
@@ -192,6 +214,10 @@ def main() -> None:
     u.add_argument("--host", default="127.0.0.1")
     u.add_argument("--port", type=int, default=5000)
     u.add_argument("--wait", type=float, default=180, help="seconds to wait for the server to answer")
+    c = sub.add_parser("compare", help="what each precision bought on each machine, from the tracking store")
+    c.add_argument("--params", default="params.yaml")
+    c.add_argument("--experiment", default="", help="the MLflow experiment (default: params.yaml's mlflow.experiment)")
+    c.add_argument("--out", default="reports/compare", help="writes <out>.md and <out>.png (default: reports/compare)")
     r = sub.add_parser("roofline", help="what each precision could give at most on a GPU, from its datasheet")
     r.add_argument("--gpu", required=True, help='a GPU of the datasheet table, e.g. "RTX 5090" or H100 SXM; or all')
     r.add_argument("--params", default="params.yaml")
@@ -205,6 +231,8 @@ def main() -> None:
         run_cli(lambda: demo(Path(args.dir), args.arch, args.nproc_per_node, args.ladder, args.optimizer))
     elif args.command == "mlflow-sync":
         run_cli(lambda: mlflow_sync(args))
+    elif args.command == "compare":
+        run_cli(lambda: compare(args))
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import platform
 import re
 import shutil
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -74,8 +75,24 @@ def _dotted(version: tuple[int, ...]) -> str:
     return ".".join(f"{v:02d}" if i == 2 else str(v) for i, v in enumerate(version))
 
 
+PROBE_OVERRIDE_ENV = "AMPBENCH_PROBE_OVERRIDE"  # JSON merged into probe(): a clone presenting another machine (tests)
+
+
 def probe() -> dict:
-    """Describe this machine's accelerator, software and CPU (deterministic)."""
+    """Describe this machine's accelerator, software and CPU (deterministic); ``$AMPBENCH_PROBE_OVERRIDE`` (a JSON
+    object) replaces what it names, so a test's clones can present different machines through DVC's stages."""
+    info = _probe()
+    override = os.environ.get(PROBE_OVERRIDE_ENV)
+    if override:
+        try:
+            info.update(json.loads(override))
+        except (ValueError, TypeError) as err:
+            raise EnvironmentMismatch(f"{PROBE_OVERRIDE_ENV} = {override!r} is not a JSON object ({err}); unset it") \
+                from None
+    return info
+
+
+def _probe() -> dict:
     info: dict = {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -336,18 +353,47 @@ def fingerprint(info: dict) -> str:
     return f"{where} | torch {info['torch']} | CUDA {info['cuda_runtime']}"
 
 
+DATABASES = ("postgresql", "mysql", "mssql")  # tracking stores a client would write to directly (not sqlite)
+
+
 def check_tracking_server(uri: str, timeout: float = 5.0) -> str | None:
-    """For an http(s) MLflow URI, a problem description if the server does not answer /health in time."""
+    """A problem description if the tracking store cannot take runs, else None: an http(s) server that does not
+    answer /health in time, or answers but cannot reach its own database (it lists no experiment); a database URI
+    that does not connect (bad host, port or password). The description never holds a password."""
+    if uri.split(":", 1)[0].split("+", 1)[0] in DATABASES:
+        return _check_database(uri, timeout)
     if not uri.startswith(("http://", "https://")):
         return None
+    base = uri.rstrip("/")
     try:
-        with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
-            if response.status == 200:
-                return None
-            return f"answered HTTP {response.status}"
-    except (OSError, ValueError) as err:  # refused, timed out, bad host, HTTP error
+        with urllib.request.urlopen(base + "/health", timeout=timeout) as response:
+            if response.status != 200:
+                return f"answered HTTP {response.status}"
+        with urllib.request.urlopen(base + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=timeout):
+            return None
+    except urllib.error.HTTPError as err:  # the server is up; its store (a database behind it) is not
+        body = err.read().decode(errors="replace")[:300]
+        return (f"answers, but not for its runs (HTTP {err.code}"
+                + (f": {_one_line(body)}" if body else "") + "): is its database up?")
+    except (OSError, ValueError) as err:  # refused, timed out, bad host
         reason = getattr(err, "reason", None) or err
         return f"did not answer within {timeout:g}s ({reason})" if "timed out" in str(reason) else f"{reason}"
+
+
+def _one_line(text: str) -> str:
+    from ampbench.config import redact_text
+    return redact_text(" ".join(text.split()))
+
+
+def _check_database(uri: str, timeout: float) -> str | None:
+    import sqlalchemy  # MLflow's own dependency: the database store is SQLAlchemy's
+    try:
+        engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": int(max(1, timeout))})
+        with engine.connect():
+            return None
+    except Exception as err:  # a missing driver, a refused connection, a bad password: one line either way
+        first = (str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__])[0]
+        return f"could not be reached ({_one_line(first)})"
 
 
 def git_commit(where: Path | None = None) -> str:

@@ -1,4 +1,4 @@
-"""MLflow tracking: the only module that imports mlflow.
+"""MLflow tracking: the only package that imports mlflow (``compare``: what each machine's runs bought).
 
 Where runs go: ``$MLFLOW_TRACKING_URI`` if set, else ``mlflow.tracking_uri`` in
 params.yaml, else ``sqlite:///<repo>/mlflow.db`` with artifacts in
@@ -145,7 +145,10 @@ def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str
     MLflow's own source tags: the stage's DVC command and the git commit it ran at (its command line in
     ampbench.command)."""
     commit = metrics.get("git_commit") or git_commit()
-    return {"stage": stage, "variant": variant, "precision": metrics.get("precision"),
+    gpu = env_info.get("gpu") or {}
+    return {"ampbench.machine": gpu.get("name") or env_info.get("cpu_model"),  # what `ampbench compare` groups by
+            "ampbench.driver": env_info.get("driver"), "ampbench.torch": env_info.get("torch"),
+            "stage": stage, "variant": variant, "precision": metrics.get("precision"),
             "accum_steps": metrics.get("accum_steps"), "world_size": metrics.get("world_size"),
             "grad_comm": metrics.get("grad_comm"), "git_commit": commit,
             "dvc_exp_name": os.environ.get("DVC_EXP_NAME"), "env_fingerprint": fingerprint(env_info),
