@@ -20,7 +20,7 @@ from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ampbench import config, data, env, results, runplan
+from ampbench import config, data, env, models, results, runplan
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.measure import sysmon
 from ampbench.train import checkpoint, distributed, metrics, runner
@@ -65,13 +65,14 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
         if err.result is not None and world.main:
             err.result.system = monitor.rows
             err.result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
-            save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env), args.params)
+            save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env), args.params,
+                 prepared["meta"])
         raise
     if not world.main:
         return
     result.system = monitor.rows
     result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
-    save(plan, result, info, out, Path(args.plan).parent, Path(args.env), args.params)
+    save(plan, result, info, out, Path(args.plan).parent, Path(args.env), args.params, prepared["meta"])
     checkpoint.clear(Path(args.checkpoints))
     procs = f" over {world.size} processes ({world.backend})" if world.active else ""
     print(f"train@{plan.variant}: final accuracy {result.metrics['final_acc']:.4f}, "
@@ -79,7 +80,7 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
 
 
 def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path, plans_dir: Path,
-         env_path: Path, params: str = "params.yaml") -> None:
+         env_path: Path, params: str = "params.yaml", prepared_meta: dict | None = None) -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
     result.metrics["git_commit"] = env.git_commit()
     result.metrics["finished_at"] = datetime.now(UTC).isoformat(timespec="milliseconds")
@@ -88,8 +89,14 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
     # own share of the throughput)
     result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s_per_process")))
     result.metrics["env_fingerprint"] = env.fingerprint(info)
+    model = None
+    if result.weights is not None:  # with what rebuilds the module: ampbench's models.build, or the user's factory
+        model = {"state_dict": result.weights, "model": config.to_dict(plan.model), "model_source": plan.model_source,
+                 "num_classes": prepared_meta["num_classes"],
+                 "image_size": models.input_size(plan.model, prepared_meta["image_shape"][-1]),
+                 "precision": plan.precision}
     results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
-                      result.numerics, result.system, result.profile_trace, result.grad_norms)
+                      result.numerics, result.system, result.profile_trace, result.grad_norms, model)
     tracking_cfg = config.load(params).mlflow if Path(params).is_file() else config.MlflowConfig()
     if tracking_cfg.enabled:
         from ampbench import tracking

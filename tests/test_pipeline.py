@@ -95,6 +95,9 @@ def test_mlflow_has_a_run_per_stage(pipeline):
     assert len(client.get_metric_history(amp.info.run_id, "eval/acc")) == 1
     assert {a.path for a in client.list_artifacts(amp.info.run_id)} >= {"metrics.json", "history.csv"}
     assert "report.md" in {a.path for a in client.list_artifacts(by_name["report"].info.run_id)}
+    for name in ("train@fp32", "train@amp"):  # each variant's trained model: a LoggedModel of its run
+        (out,) = by_name[name].outputs.model_outputs
+        assert client.get_logged_model(out.model_id).name == name.split("@")[1]
 
 
 def _free_port() -> int:

@@ -95,6 +95,18 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     digest = data.record(repo / "prepared", json.loads((repo / "prepared" / "meta.json").read_text()))["digest"]
     assert inputs["synthetic-train"].dataset.digest == digest
     assert json.loads(inputs["synthetic-train"].dataset.profile)["num_rows"] == 64
+    # the trained model, as a LoggedModel of that run: its metrics linked, loadable, with the weights it trained
+    import mlflow
+    import torch
+    (out,) = runs[0].outputs.model_outputs
+    logged = client.get_logged_model(out.model_id)
+    assert logged.source_run_id == runs[0].info.run_id and logged.name == "fp32"
+    assert {m.key for m in logged.metrics} >= {"final_acc", "imgs_per_s"}
+    assert logged.params["precision"] == "fp32" and logged.params["model.arch"] == "small_cnn"
+    mlflow.set_tracking_uri(store)
+    loaded = mlflow.pytorch.load_model(f"models:/{out.model_id}")
+    weights = torch.load(reports / "runs" / "fp32" / "model.pt", weights_only=True)["state_dict"]
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())
 
 
 # --- what MLflow 3's UI opens on ----------------------------------------------------------------

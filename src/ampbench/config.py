@@ -147,6 +147,7 @@ class MlflowConfig:
     enabled: bool = True          # log runs to MLflow (results are on disk either way)
     experiment: str = _opt("ampbench", nonempty=True)  # MLflow experiment name
     tracking_uri: str = ""        # "" = $MLFLOW_TRACKING_URI, else sqlite:///<repo>/mlflow.db
+    log_model: bool = True        # each variant's trained model as an MLflow LoggedModel (loadable with its code)
 
 
 def _default_variants() -> dict[str, Variant]:

@@ -25,6 +25,7 @@ from pathlib import Path
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
 NUMERICS, SYSTEM, TRACE = "numerics.csv", "system.csv", "profile_trace.json"
 GRAD_NORM = "grad_norm.csv"
+MODEL = "model.pt"  # the final weights (a state dict, with what rebuilds the model): MLflow's LoggedModel, later too
 # The sweep's sweep.csv (reports/sweep/), one row per point, for dvc plots
 SWEEP_COLUMNS = ["variant", "batch_size", "imgs_per_s", "imgs_per_s_p10", "imgs_per_s_p90", "peak_mem_bytes",
                  "peak_reserved_bytes", "activation_bytes", "achieved_tflops", "oom"]
@@ -69,8 +70,15 @@ def _clean(obj):
 
 def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: list[dict],
               step_times_ms: list[float], numerics: list[dict] = (), system: list[dict] = (),
-              trace: str = "", grad_norms: list[dict] = ()) -> None:
+              trace: str = "", grad_norms: list[dict] = (), model: dict | None = None) -> None:
     out_dir = Path(out_dir)
+    if model is not None:
+        import torch
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".model.", suffix=".pt", dir=out_dir)
+        os.close(fd)
+        torch.save(model, tmp)
+        os.replace(tmp, out_dir / MODEL)
     atomic_write(out_dir / TRACE, trace or '{"traceEvents": []}\n')  # an empty trace when profiling is off
     from ampbench.measure.sysmon import COLUMNS
     atomic_write(out_dir / SYSTEM, csv_text(list(system), COLUMNS))

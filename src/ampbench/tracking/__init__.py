@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param  # noqa: E402
+from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, Metric, Param  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from ampbench import results  # noqa: E402
@@ -100,7 +101,7 @@ def pipeline_id(plans_dir: Path, env_path: Path) -> str:
 def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, params: dict, metrics: dict,
             tags: dict, history: list[dict] | None = None, artifacts: list[Path] = (),
             series: list[Metric] = (), inputs: list[DatasetInput] = (), start_ms: int | None = None,
-            end_ms: int | None = None, status: str = "FINISHED") -> tuple[str, bool]:
+            end_ms: int | None = None, status: str = "FINISHED", model: Path | None = None) -> tuple[str, bool]:
     """Log one finished stage execution as an MLflow run, with the stage's own start and end times and status
     (logging happens after the work); (run id, whether it was new)."""
     uri = tracking_uri(cfg, repo_root)
@@ -114,8 +115,9 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     try:
         if inputs:
             client.log_inputs(rid, datasets=list(inputs))
+        model_id = _log_model(client, uri, exp_id, rid, run_name, model, tags) if model else None
         flat_params = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
-        ms = [Metric(k.replace(".", "/"), v, 0, 0) for k, v in
+        ms = [Metric(k.replace(".", "/"), v, 0, 0, model_id=model_id if k in MODEL_METRICS else None) for k, v in
               ((k, _metric_value(v)) for k, v in flatten(metrics).items()) if v is not None]
         for row in history or []:
             for name, value in row.items():
@@ -132,11 +134,60 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
                 client.log_artifact(rid, str(path))
             elif Path(path).is_dir():
                 client.log_artifacts(rid, str(path), artifact_path=Path(path).name)
+        if model_id:
+            client.log_outputs(rid, [LoggedModelOutput(model_id, 0)])
+            client.finalize_logged_model(model_id, "READY")
         client.set_terminated(rid, status, end_time=end_ms)
     except BaseException:
         client.set_terminated(rid, "FAILED")
         raise
     return rid, True
+
+
+MODEL_METRICS = ("final_acc", "best_acc", "final_loss", "imgs_per_s", "peak_mem_bytes")  # also the LoggedModel's
+
+
+def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: str, path: Path,
+               tags: dict) -> str | None:
+    """The run's trained model as an MLflow LoggedModel, rebuilt from its weights file (``results.MODEL``) with the
+    code that loads it (ampbench's package; a user factory's package) and explicit pip requirements (inferring
+    them imports the model's modules and asks a package index); None, with a warning, if it cannot be logged."""
+    import mlflow
+    import torch
+    import torchvision
+
+    from ampbench import models
+    from ampbench.config import ModelConfig
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    variant = run_name.split("@")[-1]
+    try:
+        module = models.build(ModelConfig(**saved["model"]), num_classes=saved["num_classes"],
+                              image_size=saved["image_size"], device="cpu")
+        module.load_state_dict(saved["state_dict"])
+    except Exception as err:  # a factory that no longer builds what it trained: the run is logged without it
+        print(f"warning: the model of {run_name} could not be rebuilt to log it ({type(err).__name__}: "
+              f"{str(err).splitlines()[0][:200]}); its weights stay in {path}", flush=True)
+        return None
+    code = [Path(models.__file__).resolve().parents[1]]  # the ampbench package: built-in models unpickle from it
+    factory = saved["model"].get("factory")
+    if factory:
+        top = Path.cwd() / factory.split(":")[0].split(".")[0]
+        code.append(top if top.is_dir() else top.with_suffix(".py"))
+    lm = client.create_logged_model(exp_id, name=variant, source_run_id=rid, model_type="image-classifier",
+                                    params={"precision": saved.get("precision", ""), "num_classes":
+                                            str(saved["num_classes"]), "image_size": str(saved["image_size"]),
+                                            **{f"model.{k}": str(v) for k, v in saved["model"].items()}},
+                                    tags={k: v for k, v in tags.items() if k.startswith("ampbench.")})
+    mlflow.set_tracking_uri(uri)
+    requirements = [f"{m.__name__}=={m.__version__.split('+')[0]}" for m in (torch, torchvision)]
+    quiet = logging.getLogger("mlflow.pytorch")
+    level, quiet.level = quiet.level, logging.ERROR  # its note on pickle: these are the user's own weights and code
+    try:
+        mlflow.pytorch.log_model(module, name=variant, model_id=lm.model_id, serialization_format="pickle",
+                                 code_paths=[str(p) for p in code if p.exists()], pip_requirements=requirements)
+    finally:
+        quiet.level = level
+    return lm.model_id
 
 
 def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str | None,
@@ -212,7 +263,8 @@ def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, e
                    series=_series(run), tags=tags, artifacts=files,
                    inputs=dataset_inputs(m.get("dataset")), start_ms=_ms(m.get("started_at")),
                    end_ms=_ms(m.get("finished_at")),
-                   status="FINISHED" if m.get("status", "complete") == "complete" else "FAILED")
+                   status="FINISHED" if m.get("status", "complete") == "complete" else "FAILED",
+                   model=run_dir / results.MODEL if cfg.log_model and (run_dir / results.MODEL).is_file() else None)
 
 
 def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json: Path, fig_dir: Path,

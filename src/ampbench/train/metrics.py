@@ -26,6 +26,7 @@ class RunResult:
     numerics: list[dict] = field(default_factory=list)  # the fp16 audit, one row per layer
     system: list[dict] = field(default_factory=list)    # CPU/memory/GPU samples taken while training
     profile_trace: str = ""                             # torch.profiler's Chrome trace of the profiled steps
+    weights: dict | None = None  # the trained model's state dict (on the CPU), taken before the audit and profile
 
 
 def run_result(t) -> RunResult:

@@ -101,6 +101,8 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
         stopped.result.metrics.update(status="stopped: detect_anomaly", diagnosis={"anomaly": str(err)[:2000]})
         raise stopped from None
     result = run_result(trainer)
+    if world.main:  # the weights as trained: the profile below takes further steps
+        result.weights = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()}
     if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model, which writes the result
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
         result.numerics = numerics.audit(trainer.model, audit, trainer.last_scale, trainer.device.type)
