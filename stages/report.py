@@ -6,6 +6,7 @@
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from ampbench import config, report
@@ -29,6 +30,7 @@ def main() -> None:
     cfg = config.load(args.params)
     info = json.loads(Path(args.env).read_text())
     md, summary_path, fig_dir = Path(args.report), Path(args.summary), Path(args.figures)
+    started = int(time.time() * 1000)
     changed = {k: v for k, v in config.flatten(config.to_dict(cfg)).items()
                if config.flatten(config.to_dict(config.Config())).get(k, object()) != v}
     summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants), changed,
@@ -37,13 +39,14 @@ def main() -> None:
                            else None,
                            roofline=json.loads(Path(args.roofline).read_text())
                            if args.roofline and Path(args.roofline).is_file() else None)
+    built = int(time.time() * 1000)
     print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
 
     if cfg.mlflow.enabled:
         from ampbench import tracking
         pipeline = tracking.pipeline_id(Path(args.plans), Path(args.env))
         tracking.safely("report", tracking.log_report, cfg.mlflow, Path.cwd(), md, summary_path, fig_dir, info,
-                        pipeline)
+                        pipeline, (started, built))
         tracking.safely("the ratios on the training runs", tracking.log_comparison, cfg.mlflow, Path.cwd(),
                         summary_path, Path(args.runs))
 

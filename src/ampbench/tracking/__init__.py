@@ -268,11 +268,14 @@ def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, e
 
 
 def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json: Path, fig_dir: Path,
-               env_info: dict, pipeline: str | None = None) -> tuple[str, bool]:
+               env_info: dict, pipeline: str | None = None, built_ms: tuple[int, int] | None = None
+               ) -> tuple[str, bool]:
+    """The report stage's run: report.md, summary.json and the figures; ``built_ms``: when the report was built."""
     summary = json.loads(Path(summary_json).read_text())
+    start, end = built_ms or (None, None)
     return log_run(cfg, repo_root, run_name="report", key=file_key(summary_json, report_md),
                    params={"variants": ",".join(summary["variants"]), "baseline": summary["baseline"]},
-                   metrics={"variants": summary["variants"]},
+                   metrics={"variants": summary["variants"]}, start_ms=start, end_ms=end,
                    tags=_tags("report", "report", {}, env_info, pipeline), artifacts=[report_md, summary_json, fig_dir])
 
 
