@@ -81,7 +81,8 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     assert metrics["fp32"]["profile"]["communication"]["step_ms"] > 0
     for v in DDP_VARIANTS:  # one writer: one set of run files, one line saying so
         assert sorted(p.name for p in (repo / "reports" / "runs" / v).iterdir()) == sorted(
-            ["grad_norm.csv", "history.csv", "loss_scale.csv", "metrics.json", "numerics.csv", "profile_trace.json",
+            ["grad_norm.csv", "history.csv", "loss_scale.csv", "metrics.json", "model.pt", "numerics.csv",
+             "profile_trace.json",
              "step_times.json", "system.csv", ".gitignore"])
         assert proc.stdout.count(f"train@{v}: final accuracy") == 1
         assert [p.name for p in (repo / "checkpoints" / v).iterdir()] == ["COMPLETE"]
