@@ -20,11 +20,12 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from ampbench.measure.stats import mean_std, t975
+
 SPEEDUP, LO, HI = ("Compare/1_speedup_vs_strict_fp32", "Compare/6_speedup_vs_strict_fp32_ci95_lo",
                    "Compare/6_speedup_vs_strict_fp32_ci95_hi")
 CONFIG = ("model.arch", "model.factory", "model.input_size", "train.batch_size", "train.epochs", "train.optimizer",
           "train.lr", "seed")  # with the dataset (name and digest): what must match for machines to be compared
-T95 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}  # t(0.975, n - 1)
 
 
 def _machine(tags: dict) -> tuple[str, str, str]:
@@ -69,9 +70,9 @@ def summarise(runs: list[dict]) -> dict:
     rate = statistics.fmean(r["imgs_per_s"] for r in runs)
     if not values:
         return {"speedup": None, "ci": None, "imgs_per_s": rate, "n": len(runs)}
-    mean = statistics.fmean(values)
+    mean, sd = mean_std(values)
     if len(values) > 1:
-        half = T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+        half = t975(len(values) - 1) * sd / math.sqrt(len(values))
         ci = (mean - half, mean + half)
     else:
         r = runs[0]
