@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from ampbench import config, data, env, models, precision, runplan
-from ampbench.errors import ConfigError, run_cli
+from ampbench.errors import ConfigError, analysis, run_cli
 from ampbench.measure import roofline
 from ampbench.results import atomic_write
 
@@ -31,7 +31,7 @@ def check_fp8(cfg: config.Config, device: str, image_size: int, num_classes: int
             raise ConfigError(f"params.yaml: variants.{name}.fp8_recipe = {v.fp8_recipe!r} cannot run on a CPU (its "
                               "high-precision gradient GEMM fails under CPU bf16 autocast); use "
                               f"{' or '.join(precision.CPU_FP8_RECIPES)} here, or run on a GPU")
-    model = models.build(cfg.model, num_classes=num_classes, image_size=image_size, device="meta")
+    model = models.build_meta(cfg.model, num_classes=num_classes, image_size=image_size)
     found = precision.float8_layers(model, runplan.fp8_recipe(cfg), image_size)
     warnings = []
     if not found["called"]:
@@ -118,11 +118,9 @@ def main() -> None:
     print(f"env_check: data placement {placement} ({why})"
           + (f", {workers} DataLoader worker(s) per process" if placement == "stream" else ""))
 
-    try:
-        counted = roofline.record(cfg, gpu["name"] if gpu else None)
-    except (ConfigError, ImportError) as err:  # a model the counter cannot follow still trains; the report says why
-        print(f"warning: {err}")
-        counted = {"error": str(err)}
+    # an estimate around training: a model the counter cannot follow still trains, and the report says why
+    counted, why = analysis("roofline", model["model"], roofline.record, cfg, gpu["name"] if gpu else None)
+    counted = counted or {"error": why}
     if fp8:
         counted["fp8"] = fp8
         print(f"env_check: fp8 ({fp8['recipe']}) runs {len(fp8['called'])} of the model's layers in float8 "

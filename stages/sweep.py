@@ -44,7 +44,8 @@ def main() -> None:
     prepared = data.load_prepared(Path(args.data), device, stream=True)  # a point reads only the images it uses
     model_source = json.loads(Path(args.model_source).read_text())
     result = sweep.run_sweep(cfg, prepared, device, out, env.fingerprint(info), model_source)
-    print(f"sweep: {result['measured_points']} point(s) measured, {result['reused_points']} reused -> {out}")
+    failed = f", {len(result['not_made'])} could not be made (the report says why)" if result["not_made"] else ""
+    print(f"sweep: {result['measured_points']} point(s) measured, {result['reused_points']} reused{failed} -> {out}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,8 @@ def test_unknown_torchvision_name_lists_valid_ones():
 def test_input_too_small_for_the_model_is_one_line_with_the_fix():
     with pytest.raises(ConfigError) as err:
         models.check(ModelConfig(arch="tv:vit_b_16"), num_classes=10, image_size=32)
-    assert "cannot take 32x32 images" in str(err.value) and "model.input_size" in str(err.value)
+    assert str(err.value) == ("params.yaml: model 'tv:vit_b_16' needs 224x224 inputs (the data's 32): set "
+                              "model.input_size: 224")
     assert models.check(ModelConfig(arch="tv:vit_b_16"), num_classes=10, image_size=224)["param_count"] > 85e6
 
 

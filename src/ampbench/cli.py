@@ -8,6 +8,7 @@
     ampbench compare         # what each precision bought on each machine logging to the team's tracking server
     ampbench roofline --gpu "RTX 5090"   # what each precision could give there at most, for params.yaml's model
     ampbench roofline --gpu all          # the same for every GPU in the datasheet table
+    ampbench check-model tv:convnext_tiny   # will this model run? input size, roofline, fp8, one step per precision
 """
 
 from __future__ import annotations
@@ -189,6 +190,39 @@ def roofline_cmd(args) -> None:
     print("\n" + ROOFLINE_NOTE)
 
 
+def check_model_cmd(args) -> None:
+    """One model (an arch or a factory ``module:function``) checked against params.yaml's data and variants."""
+    import json
+
+    import yaml
+
+    from ampbench.models import TV_PREFIX
+    from ampbench.train import conformance
+    raw = {}
+    if Path(args.params).is_file():
+        config.load(args.params)  # a broken params.yaml is reported as the pipeline reports it
+        raw = yaml.safe_load(Path(args.params).read_text())
+    factory = ":" in args.model and not args.model.startswith(TV_PREFIX)
+    model = {"factory": args.model} if factory else {"arch": args.model, "factory": ""}
+    raw["model"] = {**(raw.get("model") or {}), **model}
+    cfg = config.from_dict(raw)  # a bad arch name stops here, with the names it takes
+    precisions = tuple(p for p in args.precisions.split(",") if p) if args.precisions else ()
+    for p in precisions:
+        if p not in config.PRECISIONS:
+            raise ConfigError(f"--precisions: {p!r} is not a precision; use {', '.join(config.PRECISIONS)}")
+    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    result = conformance.check_model(cfg, precisions=precisions, device=device, step_budget_s=args.step_budget,
+                                     no_step=args.no_step)
+    print(conformance.table(result))
+    if args.json:
+        from ampbench.results import atomic_write
+        atomic_write(Path(args.json), json.dumps(result, indent=2, sort_keys=True, default=str) + "\n")
+    if not result["ok"]:
+        failed = [r["check"] for r in result["rows"] if r["ok"] is False]
+        print(f"\n{result['model']}: {', '.join(failed)} failed (the table says why)", file=sys.stderr)
+        sys.exit(1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="ampbench", description="FP32 vs FP16-AMP, measured on your hardware")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -222,8 +256,21 @@ def main() -> None:
     r.add_argument("--gpu", required=True, help='a GPU of the datasheet table, e.g. "RTX 5090" or H100 SXM; or all')
     r.add_argument("--params", default="params.yaml")
     r.add_argument("--batch", type=int, default=0, help="images per step (default: train.batch_size)")
+    m = sub.add_parser("check-model", help="will a model run here? input size, roofline, fp8, one step per "
+                                           "precision (seconds to a minute on a CPU)")
+    m.add_argument("model", help="a model.arch (resnet18, vit_tiny, tv:<torchvision name>) or a factory "
+                                 "module:function")
+    m.add_argument("--params", default="params.yaml", help="the data, variants and training settings to check with")
+    m.add_argument("--precisions", default="", help="comma-separated precisions to step (default: the variants')")
+    m.add_argument("--device", default="", help="cpu or cuda (default: cuda when there is one)")
+    m.add_argument("--step-budget", type=float, default=0.0, metavar="S",
+                   help="step no other precision once fp32's step took longer than S seconds (0: no budget)")
+    m.add_argument("--no-step", default="", metavar="REASON", help="step nothing, giving this reason")
+    m.add_argument("--json", default="", metavar="PATH", help="write the result as JSON too")
     args = ap.parse_args()
-    if args.command == "roofline":
+    if args.command == "check-model":
+        run_cli(lambda: check_model_cmd(args))
+    elif args.command == "roofline":
         run_cli(lambda: roofline_cmd(args))
     elif args.command == "mlflow-ui":
         run_cli(lambda: mlflow_ui(args))

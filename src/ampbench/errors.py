@@ -3,6 +3,12 @@
 A user's mistake (a bad value in params.yaml, a missing archive, a machine that
 cannot run what was asked) is reported as one line naming the value and the
 fix, with a non-zero exit code and no traceback.
+
+An analysis around training (the roofline, the numerics audit, the accumulation
+check, the profile, a sweep point, the figures, the MLflow LoggedModel) never
+stops a stage: ``analysis`` runs one, and a failure becomes one warning line and
+the reason its report section gives. ``AMPBENCH_FAIL_ANALYSIS`` (a test hook:
+names from ``ANALYSES``, comma-separated, or ``all``) makes them fail on purpose.
 """
 
 from __future__ import annotations
@@ -10,6 +16,13 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+
+FAIL_ON_PURPOSE = "AMPBENCH_FAIL_ANALYSIS"
+ANALYSES = {  # name -> what the warning calls it
+    "roofline": "the roofline count", "audit": "the numerics audit", "accumulation": "the accumulation check",
+    "activations": "the activation-memory meter", "flops": "the FLOP count", "profile": "the step profile",
+    "sweep": "a sweep point", "largest_batch": "the largest-batch search", "figures": "the figures",
+    "logged_model": "the MLflow LoggedModel"}
 
 
 class AmpbenchError(Exception):
@@ -55,3 +68,24 @@ def run_cli(main: Callable[[], None]) -> None:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(130)
+
+
+def first_line(err: BaseException) -> str:
+    """``Type: the message's first line``: what a one-line warning says of an exception."""
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
+
+
+def analysis(name: str, model: str, fn: Callable, *args, **kwargs) -> tuple[object, str | None]:
+    """Run the analysis ``name`` (a key of ``ANALYSES``) of ``model``: ``(its result, None)``, or, when it raises,
+    ``(None, why)`` after one warning line (the analysis, the model, the error's first line). Training is the
+    product; an analysis that cannot be made for a model is said, never a stopped pipeline. Ctrl-C still stops."""
+    try:
+        asked = {n.strip() for n in os.environ.get(FAIL_ON_PURPOSE, "").split(",") if n.strip()}
+        if name in asked or "all" in asked:
+            raise RuntimeError(f"failed on purpose ({FAIL_ON_PURPOSE}={os.environ[FAIL_ON_PURPOSE]})")
+        return fn(*args, **kwargs), None
+    except Exception as err:  # an analysis's own failure, whatever it is: the stage goes on
+        why = first_line(err)
+        print(f"warning: {ANALYSES[name]} could not be made for {model} ({why})", flush=True)
+        return None, why

@@ -33,10 +33,11 @@ from pathlib import Path
 import psutil
 import torch
 
-from ampbench import runplan
+from ampbench import models, runplan
 from ampbench.config import Config, sweep_precisions, to_dict
 from ampbench.data import DeviceBatches
 from ampbench.env import source_digest, source_files
+from ampbench.errors import analysis
 from ampbench.measure import clock, flops, memory, stats
 from ampbench.precision import spec
 from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, write_json
@@ -86,7 +87,9 @@ class Bench:
             x, y = x[keep], y[keep]
         self.pool = x, y
         x, y = next(self.batches(8).epoch(0))
-        self.flops_per_image = flops.train_flops_per_image(self.model, x, y)  # per image: the same at any batch
+        # per image: the same at any batch; None (no TFLOP/s) when the counter cannot follow the model
+        self.flops_per_image = analysis("flops", models.name(cfg.model), flops.train_flops_per_image, self.model,
+                                        x, y)[0]
 
     def batches(self, batch: int) -> DeviceBatches:
         """``batch`` images drawn from the training set (with replacement when it holds fewer)."""
@@ -139,7 +142,7 @@ class Bench:
                "step_time_ms": stats.summarize_ms(timed.cycle_ms),
                **memory.peak_memory(self.device),
                "activation_bytes": probes.activation_bytes(self.model, x, self.policy),
-               "achieved_tflops": self.flops_per_image * ips / 1e12 if ips else None}
+               "achieved_tflops": self.flops_per_image * ips / 1e12 if ips and self.flops_per_image else None}
         self.free()
         return out
 
@@ -291,13 +294,21 @@ def find_max(bench: Bench, points: list[dict], cfg: Config, dataset_bytes: int) 
 
 
 def _measure(bench: Bench, batch: int, steps: int, key: str) -> dict:
-    """One point, printed as it is measured; an out-of-memory batch is a point too."""
+    """One point, printed as it is measured; an out-of-memory batch is a point too, and a point that fails
+    otherwise is one warning and a point with its ``error`` (not stored: it is tried again next time)."""
     t0 = time.perf_counter()
-    try:
-        point = {**bench.point(batch, steps), "key": key}
-    except torch.cuda.OutOfMemoryError:
+
+    def attempt() -> dict:
+        try:
+            return {**bench.point(batch, steps), "key": key}
+        except torch.cuda.OutOfMemoryError:
+            bench.free()
+            return {"precision": bench.precision, "batch_size": batch, "oom": True, "key": key}
+
+    point, why = analysis("sweep", f"{models.name(bench.cfg.model)} ({bench.precision}, batch {batch})", attempt)
+    if why:
         bench.free()
-        point = {"precision": bench.precision, "batch_size": batch, "oom": True, "key": key}
+        return {"precision": bench.precision, "batch_size": batch, "error": why}
     mem = (f"peak {point.get('peak_mem_bytes', 0) / 2**20:,.0f} MiB" if bench.device.type == "cuda"
            else f"activations {point.get('activation_bytes', 0) / 2**20:,.1f} MiB")
     what = "out of memory" if point.get("oom") else f"{point['imgs_per_s']:,.0f} img/s, {mem}"
@@ -318,8 +329,13 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
     except (OSError, ValueError):
         known_max = {}
     precisions = sweep_precisions(cfg)
+    failed = []  # points (and largest-batch searches) that could not be made, with why
     for precision in precisions:
-        bench = Bench(cfg, prepared, device, precision)
+        bench, why = analysis("sweep", f"{models.name(cfg.model)} ({precision})", Bench, cfg, prepared, device,
+                              precision)
+        if bench is None:
+            failed += [{"precision": precision, "batch_size": b, "error": why} for b in cfg.sweep.batch_sizes]
+            continue
         points = []
         for batch in cfg.sweep.batch_sizes:
             path = points_dir / f"{precision}-{batch}.json"
@@ -330,6 +346,9 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
                 point, reused = old, reused + 1
             else:
                 point = _measure(bench, batch, cfg.sweep.steps, key)
+                if point.get("error"):
+                    failed.append(point)
+                    continue
                 write_json(path, point)
             points.append(point)
             spread = point.get("imgs_per_s_p10_p90") or [None, None]
@@ -340,12 +359,13 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
                                                        model_source, code), [p["key"] for p in points],
                                              limit_bytes(cfg, device)[0]]).encode()).hexdigest()[:16]
             before = known_max.get(precision) or {}
-            if before.get("key") == key and before.get("method") != "stopped":  # an error is tried again
+            if before.get("key") == key and before.get("method") not in ("stopped", "failed"):  # errors: again
                 largest[precision], note = before, ", as measured before: its inputs are unchanged"
             else:
-                largest[precision] = {**find_max(bench, [p for p in points if not p.get("oom")], cfg,
-                                                 _dataset_bytes(prepared)), "key": key}
-                note = ""
+                found, why = analysis("largest_batch", f"{models.name(cfg.model)} ({precision})", find_max, bench,
+                                      [p for p in points if not p.get("oom")], cfg, _dataset_bytes(prepared))
+                found = found or {"precision": precision, "largest_batch": None, "method": "failed", "how": why}
+                largest[precision], note = {**found, "key": key}, ""
             print(f"[sweep {precision}] largest batch: {largest[precision]['largest_batch']} "
                   f"({largest[precision]['method']}{note})", flush=True)
         del bench
@@ -354,7 +374,8 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
             stale.unlink()
     result = {"enabled": True, "device": device.type, "precisions": list(precisions),
               "batch_sizes": list(cfg.sweep.batch_sizes), "steps": cfg.sweep.steps, "warmup": WARMUP, "points": rows,
-              "largest": largest, "reused_points": reused, "measured_points": len(rows) - reused}
+              "largest": largest, "reused_points": reused, "measured_points": len(rows) - reused,
+              "not_made": failed}
     write_json(out / "max.json", largest)
     atomic_write(out / "sweep.csv", csv_text(rows, SWEEP_COLUMNS))
     write_json(out / "sweep.json", result)

@@ -7,10 +7,12 @@ any CPU. A ``TorchDispatchMode`` sees every aten op below autograd and records i
 argument and result once, views free).
 
 Autocast does nothing to meta tensors, and CUDA autocast is off on a machine without CUDA, so the counter plays
-CUDA autocast itself: in the forward pass an op on CUDA autocast's lower-precision list (``LOWER``, from
-``ATen/autocast_mode.h``) gets its fp32 inputs cast to fp16/bf16, an op on its fp32 list (``FP32``) gets its
-low-precision inputs cast to fp32, and the casts are counted as ops of their own (a weight is cast once per
-step, as autocast's cache does). In the backward pass the lower-precision ops read the casts the forward made.
+CUDA autocast itself where autocast works: above autograd, before a composite op checks its arguments (``F.conv2d``
+its bias's dtype) or splits into aten ops. A ``TorchFunctionMode`` sees the model's calls; in the forward pass one on
+CUDA autocast's lower-precision list (``LOWER``, from ``ATen/autocast_mode.h``) gets its floating inputs cast to
+fp16/bf16, one on its fp32 list (``FP32``) to fp32 (or its dtype argument set to fp32), each cast counted as an op of
+its own (a parameter is cast once per step, as autocast's cache does). Autograd sees the casts: the backward reads
+the low-precision tensors the forward saved and casts the gradients back, as on a GPU.
 Attention is counted as the fused kernel a GPU runs (memory-efficient attention), not the math path meta tensors
 would take. fp16 adds GradScaler's unscale pass over the gradients. fp8 converts the model as training does (torchao's
 float8 Linear layers: their GEMMs run on float8 tensors), and its scaling is counted as ``torch.compile`` fuses it
@@ -26,18 +28,16 @@ from __future__ import annotations
 import difflib
 import sys
 from dataclasses import dataclass
-from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, redispatch_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ampbench.errors import ConfigError
 from ampbench.measure.flops import DATASHEET
-
-aten = torch.ops.aten
 
 # CUDA autocast's op lists (ATen/autocast_mode.h, AT_FORALL_LOWER_PRECISION_FP and AT_FORALL_FP32 /
 # AT_FORALL_FP32_SET_OPT_DTYPE), as names; tests compare them with the installed torch's header.
@@ -47,6 +47,10 @@ LOWER = frozenset((
     "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
     "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
     "_scaled_dot_product_flash_attention", "scaled_dot_product_attention"))
+# AT_FORALL_FP32_SET_OPT_DTYPE: autocast sets their dtype argument to fp32 (when the caller set none), so the op
+# reads its low-precision input itself, with no cast of its own
+_SET_OPT_DTYPE = frozenset(("prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+                            "linalg_matrix_norm", "sum"))
 FP32 = frozenset((
     "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
     "sinh", "tan", "pow", "softplus", "layer_norm", "native_layer_norm", "rms_norm", "group_norm",
@@ -56,18 +60,12 @@ FP32 = frozenset((
     "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
     "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d", "_upsample_nearest_exact2d",
     "upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
-    "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
-    # AT_FORALL_FP32_SET_OPT_DTYPE: run in fp32 through their dtype argument
-    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "sum"))
-# What those ops are called below autograd, where the counter sees them (a Python-level op decomposes).
-_BELOW_AUTOGRAD = {"_softmax": "softmax", "_log_softmax": "log_softmax", "nll_loss_forward": "nll_loss",
-                   "nll_loss2d_forward": "nll_loss2d", "native_group_norm": "group_norm",
-                   "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
-                   "_scaled_dot_product_efficient_attention": "_scaled_dot_product_flash_attention",
-                   "_fused_rms_norm": "rms_norm"}
-_BACKWARD_LOWER = frozenset(("convolution_backward", "mm", "bmm", "addmm", "baddbmm", "mv",
-                             "_scaled_dot_product_efficient_attention_backward",
-                             "_scaled_dot_product_flash_attention_backward"))
+    "_upsample_bilinear2d_aa", "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa")) | _SET_OPT_DTYPE
+# Python-level names that are an op on the lists: an alias, or a composite whose insides autocast reaches and casts
+# (cross_entropy's log_softmax and nll_loss run in fp32; linalg.norm takes a vector or matrix norm's fp32 dtype;
+# nn.LSTM, GRU and RNN run cuDNN's RNN, which autocast casts to the low dtype as it does their cells)
+_ALIASES = {"linalg_matmul": "matmul", "cross_entropy_loss": "nll_loss", "linalg_norm": "linalg_vector_norm",
+            "lstm": "lstm_cell", "gru": "gru_cell", "rnn_tanh": "rnn_tanh_cell", "rnn_relu": "rnn_relu_cell"}
 
 LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: the rest in bf16
 CATEGORIES = ("conv", "matmul", "attention", "memory-bound ops")
@@ -117,88 +115,133 @@ def _is_view(func) -> bool:
         r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
+def _autocast_op(func) -> str:
+    """The op on CUDA autocast's lists a Python-level torch function is, or ''. Torch names a function as aten names
+    its op (``F.conv2d``, ``torch.Tensor.softmax``, ``torch._C._nn.linear``; ``x @ w`` arrives as ``matmul``,
+    ``torch.ops.aten.mm.default`` as ``mm.default``), or as an alias (``torch.special.softmax``)."""
+    name = getattr(func, "__name__", "").split(".")[0]
+    name = _ALIASES.get(name, name).removeprefix("special_")
+    return name if name in LOWER or name in FP32 else ""
+
+
+def _castable(t, dtype: torch.dtype) -> bool:
+    """Whether autocast casts ``t`` to ``dtype``: a floating tensor in another dtype, not float64, nor a float8
+    tensor (a subclass whose dtype names its original one)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.is_floating_point() \
+        and t.dtype not in (dtype, torch.float64)
+
+
+def _cannot_count(what: str, err: Exception) -> ConfigError:
+    """One line naming what failed on meta tensors and its error's first line, guessing at no single cause."""
+    why = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return ConfigError(f"the roofline cannot count this model: {what} fails on meta tensors ({why}); the model may "
+                       "not take this input size, or needs data-dependent shapes or values")
+
+
+def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+    """``F.scaled_dot_product_attention`` as a GPU runs it, one fused kernel (memory-efficient attention), where
+    meta tensors would take the math path and count the attention matrix written and read several times."""
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
+                                                                   is_causal, scale=scale)[0]
+
+
+class _Autocast(TorchFunctionMode):
+    """CUDA autocast to ``counter.low`` in ``counter``'s forward phase, played on the model's calls: a listed function
+    gets its inputs cast (``counter`` records each cast; autograd saves them for the backward) and runs with this mode
+    off; any other runs with it on, so the calls inside a Python composite (``F.multi_head_attention_forward``) are
+    seen too. ``F.scaled_dot_product_attention`` runs as the fused kernel in every precision."""
+
+    def __init__(self, counter: StepCounter):
+        super().__init__()
+        self.counter = counter
+        self._params: dict[tuple, tuple] = {}  # autocast's per-step cache: (parameter, dtype) -> (it, its cast)
+        self._calling: list = []  # the functions running with this mode on, innermost last
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = _autocast_op(func)
+        if not op:
+            # nothing is cast outside the forward, so the calls inside need not be seen; a Tensor method written in
+            # Python that calls its C self (``super().unflatten``) comes back here as itself, and runs
+            if self.counter.phase != "forward" or self._calling[-1:] == [func]:
+                return func(*args, **kwargs)
+            self._calling.append(func)
+            try:
+                with self:  # the calls inside a Python composite are seen too
+                    return redispatch_function(func, types, args, kwargs)
+            finally:
+                self._calling.pop()
+        if op == "scaled_dot_product_attention":
+            func = _fused_attention
+        if self.counter.phase == "forward" and self.counter.low is not None:
+            args, kwargs = self._autocast(op, args, kwargs)
+        try:
+            return func(*args, **kwargs)  # with this mode off, as autocast runs a listed op with itself off
+        except ConfigError:
+            raise
+        except Exception as err:  # a composite's own check (a layer_norm's shape) fails before any aten op runs
+            raise _cannot_count(op, err) from None
+
+    def _autocast(self, op: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if op in LOWER:
+            return tree_map(lambda t: self._cast(t, self.counter.low), (args, kwargs))
+        if op not in _SET_OPT_DTYPE:
+            return tree_map(lambda t: self._cast(t, torch.float32), (args, kwargs))
+        first = args[0] if args else kwargs.get("input")
+        given = kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+        if _castable(first, torch.float32) and not given:
+            kwargs = {**kwargs, "dtype": torch.float32}
+        return args, kwargs
+
+    def _cast(self, t, dtype: torch.dtype):
+        """``t`` cast to ``dtype`` if autocast casts it. A parameter is cast once per step (autocast caches leaf
+        tensors that require grad), an activation each time it is used."""
+        if not _castable(t, dtype):
+            return t
+        if not (t.is_leaf and t.requires_grad):
+            return t.to(dtype)
+        key = (id(t), dtype)
+        if key not in self._params:
+            self._params[key] = (t, t.to(dtype))  # the parameter kept alive, so its id stays its own
+        return self._params[key][1]
+
+
 class StepCounter(TorchDispatchMode):
     """Records every op of one training step as an ``Op``, playing CUDA autocast to ``low`` (None: fp32).
 
-    Forward: an op on CUDA autocast's lower-precision list gets its fp32 inputs cast to ``low``, an op on its fp32
-    list its low-precision inputs cast to fp32, each cast recorded as an op; a parameter is cast once per step, as
-    autocast caches leaf tensors that require grad, an activation each time it is used. The bias add of a linear
-    layer that decomposed below autograd (a 3-D input: ``bmm`` then ``add``) stays in ``low``, as ``linear`` does
-    under autocast. Backward: autocast saved the casts for backward, so the lower-precision backward ops read them
-    at no cost (the counter casts, unrecorded); autograd's own casts of gradients are recorded as the ops they are.
+    Entering it enters ``_Autocast`` too, which casts the forward's inputs; this mode, below autograd, records every
+    aten op that results (the casts as "cast") in ``phase``, which the step sets: forward, backward, optimizer.
     """
 
     def __init__(self, low: torch.dtype | None, fuse_float8: bool = False):
         super().__init__()
         self.low, self.phase, self.ops, self.fuse_float8 = low, "forward", [], fuse_float8
-        self._params: dict[tuple, torch.Tensor] = {}  # autocast's per-step cache: (parameter, dtype) -> the cast
-        self._low_outputs: dict[int, torch.Tensor] = {}  # outputs of lower-precision ops (by id), kept alive
-        self._fp8_source_itemsize = 4                 # the element size of the tensor fp8 last took an amax of
+        self._autocast = _Autocast(self)
+        self._fp8_source_itemsize = 4  # the element size of the tensor fp8 last took an amax of
 
-    def _cast(self, t, dtype: torch.dtype):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in (dtype, torch.float64):
-            return t
-        if type(t) not in (torch.Tensor, torch.nn.Parameter):  # a float8 tensor: already in its own dtype
-            return t
-        base = t._base if t._base is not None else t
-        if base.is_leaf and base.requires_grad:  # a parameter (or a view of one, as W.t() in backward)
-            key = (id(base), dtype)
-            if key not in self._params:
-                self._params[key] = (base, self._record_cast(base, dtype))
-            cast = self._params[key][1]
-            return cast if base is t else cast.as_strided(t.size(), t.stride(), t.storage_offset())
-        return self._record_cast(t, dtype) if self.phase == "forward" else t.to(dtype)
+    def __enter__(self):
+        self._autocast.__enter__()
+        return super().__enter__()
 
-    def _record_cast(self, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = t.to(dtype)  # inside the handler the mode is off: the cast is recorded here
-        if self.phase == "forward":
-            self.ops.append(Op("cast", str(t.dtype).removeprefix("torch."), 0.0, float(_bytes(t) + _bytes(out)),
-                               self.phase))
-        return out
-
-    def _policy(self, name: str, args) -> torch.dtype | None:
-        if self.low is None:
-            return None
-        name = _BELOW_AUTOGRAD.get(name, name)
-        if self.phase == "forward":
-            if name in LOWER:
-                return self.low
-            if name in FP32:
-                return torch.float32
-            if name in ("add", "add_") and self._is_bias_add(args):
-                return self.low
-            return None
-        return self.low if self.phase == "backward" and name in _BACKWARD_LOWER else None
-
-    def _is_bias_add(self, args) -> bool:
-        """``add(bmm's output, bias)``: the second half of a linear layer that decomposed below autograd."""
-        if len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]):
-            return False
-        out, bias = args[0], args[1]
-        return id(out) in self._low_outputs and bias.dim() == 1 and bias.is_leaf and bias.requires_grad
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        super().__exit__(exc_type, exc_val, exc_tb)
+        self._autocast.__exit__(exc_type, exc_val, exc_tb)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # the torch calls a meta kernel or torchao's float8 tensor makes are no model's: autocast stays out of them
+        with torch._C.DisableTorchFunction():
+            return self._record(func, args, kwargs or {})
+
+    def _record(self, func, args: tuple, kwargs: dict):
         name = func._overloadpacket.__name__
-        target = self._policy(name, args)
-        if target is not None:
-            args, kwargs = tree_map(lambda t: self._cast(t, target), (args, kwargs))
         try:
             out = func(*args, **kwargs)
         except Exception as err:
-            why = str(err).split(". ")[0]
-            raise ConfigError(f"the roofline cannot count this model: op {func} fails on meta tensors ({why}); "
-                              "the model needs data-dependent shapes or values, which a roofline cannot "
-                              "count") from None
+            raise _cannot_count(f"op {func}", err) from None
         if _is_view(func):
-            if args and isinstance(args[0], torch.Tensor) and id(args[0]) in self._low_outputs \
-                    and isinstance(out, torch.Tensor):
-                self._low_outputs[id(out)] = out  # bmm's output reshaped before its bias add
             return out
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        if target is self.low and self.low is not None and self.phase == "forward" and outs:
-            self._low_outputs[id(outs[0])] = outs[0]
         moved = sum(_bytes(t) for t in tensors) + sum(_bytes(t) for t in outs)
         counter = flop_registry.get(func._overloadpacket)
         flops = float(counter(*args, **kwargs, out_val=out)) if counter else 0.0
@@ -242,13 +285,6 @@ def _from_torchao_scaling() -> bool:
     return False
 
 
-def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
-    """``F.scaled_dot_product_attention`` as a GPU runs it, one fused kernel (memory-efficient attention), where
-    meta tensors would take the math path and count the attention matrix written and read several times."""
-    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, True, dropout_p,
-                                                                   is_causal, scale=scale)[0]
-
-
 def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
           make_optimizer, fp8_recipe: str | None = None) -> list[Op]:
     """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors.
@@ -270,28 +306,24 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
             if isinstance(m, Float8Linear):
                 m.register_forward_pre_hook(lambda mod, args: (args[0].to(low), *args[1:]))
 
-    def step(counter: StepCounter | None):
+    def step(counter: StepCounter):
         opt.zero_grad(set_to_none=True)
-        if counter:
-            counter.phase = "forward"
+        counter.phase = "forward"
         loss = F.cross_entropy(model(x), y)
-        if counter:
-            counter.phase = "backward"
+        counter.phase = "backward"
         loss.backward()
-        if counter:
-            counter.phase = "optimizer"
-            if spec(precision).grad_scaler:  # GradScaler's unscale_: read and write every gradient once
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                counter.ops.append(Op("unscale (GradScaler)", "float32", 0.0,
-                                      float(2 * sum(_bytes(g) for g in grads)), "optimizer"))
+        counter.phase = "optimizer"
+        if spec(precision).grad_scaler:  # GradScaler's unscale_: read and write every gradient once
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            counter.ops.append(Op("unscale (GradScaler)", "float32", 0.0, float(2 * sum(_bytes(g) for g in grads)),
+                                  "optimizer"))
         opt.step()
 
     fuse = spec(precision).float8
-    with mock.patch.object(F, "scaled_dot_product_attention", _fused_attention):
-        with StepCounter(low, fuse):  # the optimizer's state made; counted too, so an op that cannot be is named
-            step(None)
-        with StepCounter(low, fuse) as counter:
-            step(counter)
+    with StepCounter(low, fuse) as first:  # the optimizer's state made; counted too, so an op that cannot be is named
+        step(first)
+    with StepCounter(low, fuse) as counter:
+        step(counter)
     return counter.ops
 
 
@@ -395,7 +427,7 @@ def for_config(cfg, batch: int | None = None, precisions: tuple[str, ...] | None
     batch = batch or cfg.train.batch_size
     desc = data.describe(cfg.data)
     size = models.input_size(cfg.model, desc["image_size"])
-    model = models.build(cfg.model, num_classes=desc["num_classes"], image_size=size, device="meta")  # no weights
+    model = models.build_meta(cfg.model, num_classes=desc["num_classes"], image_size=size)  # no weights
     plan = runplan.for_precision(cfg, "fp32", "cpu")
     x = torch.empty(batch, 3, size, size, device="meta")
     y = torch.empty(batch, dtype=torch.long, device="meta")

@@ -2,16 +2,20 @@
 
 ``model.arch`` in params.yaml picks one of ``ARCHS`` (``resnet18`` with a CIFAR
 stem, ``small_cnn``, ``vit_tiny``) or ``tv:<name>``, built with
-``torchvision.models.get_model(name, weights=None, num_classes=...)``.
-``model.factory: "package.module:function"`` (importable from the repository
-root) builds the user's own ``nn.Module`` instead. ``check`` builds the model
-once on the CPU and pushes two images through it, so a broken factory or an
-input size the model cannot take stops env_check with one line, before any
+``torchvision.models.get_model(name, weights=None, num_classes=...)``; GoogLeNet
+and Inception v3 without their auxiliary heads (``NO_AUX``), so that every model
+returns one tensor of logits in training and the step, the profile and the
+roofline follow one graph. ``model.factory: "package.module:function"``
+(importable from the repository root) builds the user's own ``nn.Module``
+instead. ``check`` builds the model once on the CPU and pushes two images
+through it, so a broken factory or an input size the model cannot take stops
+env_check with one line (``input_size_fix`` finds the size it takes), before any
 training.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import inspect
@@ -21,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torchvision
+import torchvision.models
 from torch import nn
 
 from ampbench.config import DistributedConfig, ModelConfig
@@ -31,9 +36,16 @@ from ampbench.models.vit import PATCH, vit_tiny
 ARCHS: dict[str, Callable[..., nn.Module]] = {"resnet18": resnet18_cifar, "small_cnn": small_cnn,
                                               "vit_tiny": vit_tiny}
 TV_PREFIX = "tv:"
+# torchvision models that return auxiliary logits in training mode, built without those heads (their papers add the
+# auxiliary losses to help a deep network train from scratch; the precision comparison needs one graph per step)
+NO_AUX = {"googlenet": {"aux_logits": False, "init_weights": True},
+          "inception_v3": {"aux_logits": False, "init_weights": True}}
+# sides tried, in order, for a model that does not take the data's: the smallest that works, then between it and the
+# size below it (a model with a minimum size), ending with ImageNet's sizes (a model built for one size)
+_SIDES = (32, 48, 64, 96, 128, 160, 192, 224, 256, 299, 320, 384, 448, 512, 518)
 
-__all__ = ["ARCHS", "build", "check", "describe", "name", "resnet18_cifar", "small_cnn", "source_hash",
-           "source_record", "torchvision_names", "vit_tiny"]
+__all__ = ["ARCHS", "NO_AUX", "build", "build_meta", "check", "describe", "input_size_fix", "name", "resnet18_cifar",
+           "small_cnn", "source_hash", "source_record", "takes", "torchvision_names", "vit_tiny"]
 
 
 def torchvision_names() -> list[str]:
@@ -91,8 +103,9 @@ def _builder(cfg: ModelConfig) -> Callable[[int, int], nn.Module]:
                                          "vit_b_16") if n in known)
             raise ConfigError(f"params.yaml: model.arch = {cfg.arch!r}: torchvision has no classification model "
                               f"{tv_name!r}; use one of torchvision.models.list_models(), e.g. {some}")
+        extra = NO_AUX.get(tv_name, {})
         return lambda num_classes, image_size: torchvision.models.get_model(tv_name, weights=None,
-                                                                            num_classes=num_classes)
+                                                                            num_classes=num_classes, **extra)
     if cfg.arch == "vit_tiny":
         return lambda num_classes, image_size: vit_tiny(num_classes, image_size)
     return lambda num_classes, image_size: ARCHS[cfg.arch](num_classes)
@@ -111,6 +124,60 @@ def build(cfg: ModelConfig, *, num_classes: int, image_size: int, device: str | 
     return model
 
 
+def build_meta(cfg: ModelConfig, *, num_classes: int, image_size: int) -> nn.Module:
+    """The model with shapes and no values, on the meta device: built there (no memory, no initialisation time), or
+    on the CPU and moved when its constructor reads values (RegNet: "Cannot copy out of meta tensor")."""
+    try:
+        with torch.device("meta"):
+            model = _builder(cfg)(num_classes, image_size)
+    except ConfigError:
+        raise
+    except Exception:  # the constructor computes with values: build it for real, then drop them
+        model = _builder(cfg)(num_classes, image_size)
+    model = model.to("meta")
+    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+
+
+def takes(model: nn.Module, side: int, num_classes: int | None = None) -> bool:
+    """Whether ``model`` (on the meta device) turns a training batch of two side x side images into logits."""
+    try:
+        out = model.train()(torch.empty(2, 3, side, side, device="meta"))
+    except Exception:
+        return False
+    return torch.is_tensor(out) and (num_classes is None or tuple(out.shape) == (2, num_classes))
+
+
+def input_size_fix(cfg: ModelConfig, num_classes: int, side: int,
+                   model: nn.Module | None = None) -> tuple[int, str] | None:
+    """None when the model takes side x side inputs; otherwise the side to set and the sentence that says so
+    (e.g. "needs 224x224 inputs (the data's 32): set model.input_size: 224").
+
+    The size is found by trying sides on meta tensors in training mode (what the step runs): the model's own
+    ``image_size`` first (torchvision's ViT), then ``_SIDES`` upwards (and downwards), then the smallest side
+    between the first that works and the one below it; never the default weights' transforms, which say how
+    ImageNet was fed, not what the model takes (518 for vit_h_14, built for 224).
+    """
+    probe = model if model is not None else build_meta(cfg, num_classes=num_classes, image_size=side)
+    if takes(probe, side, num_classes):
+        return None
+    own = getattr(probe, "image_size", None)
+    tried = ([own] if isinstance(own, int) else []) + [s for s in _SIDES if s > side] \
+        + [s for s in reversed(_SIDES) if s < side]
+    first = next((s for s in tried if takes(probe, s, num_classes)), None)
+    if first is None:
+        return None  # no size helps: the caller's own error says what failed
+    lo = max([side] + [s for s in _SIDES if s < first]) if first > side else first - 1
+    hi = first  # the smallest side in (lo, first] that works, by bisection
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if takes(probe, mid, num_classes) else (mid, hi)
+    where = "model.input_size = " if cfg.input_size else "the data's "
+    if takes(probe, hi + 32, num_classes) and takes(probe, 2 * hi, num_classes):  # a minimum, not one size
+        size = next((s for s in range(-(-hi // 8) * 8, 2 * hi, 8) if takes(probe, s, num_classes)), hi)
+        return size, f"takes inputs of at least {hi}x{hi} ({where}{side}): set model.input_size: {size}"
+    return first, f"needs {first}x{first} inputs ({where}{side}): set model.input_size: {first}"
+
+
 def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
     """Build the model on the CPU and run two images through it, forward and backward; its name, parameter count
     and the parameters the loss leaves without a gradient ("unused", which DDP must be told of), or a ConfigError.
@@ -123,6 +190,9 @@ def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
     try:
         out = model.train()(x)  # train mode: what the training step sees (aux heads, dropout)
     except Exception as err:
+        fix = input_size_fix(cfg, num_classes, image_size, copy.deepcopy(model).to("meta"))
+        if fix:
+            raise ConfigError(f"params.yaml: model {name(cfg)!r} {fix[1]}") from None
         raise ConfigError(f"params.yaml: model {name(cfg)!r} cannot take {image_size}x{image_size} images "
                           f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); set "
                           "model.input_size to a size it takes (e.g. 224 for ImageNet models)") from None

@@ -38,7 +38,8 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
     summary = summarize(runs, target_acc, sweep, roofline)
     summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
     summary["params_changed"] = dict(sorted((changed_params or {}).items()))
-    drawn = figures.draw(summary, runs, fig_dir)
+    Path(fig_dir).mkdir(parents=True, exist_ok=True)  # a DVC output, even when no figure could be drawn
+    drawn, summary["figures_not_drawn"] = figures.draw(summary, runs, fig_dir)
     summary["figures"] = [Path(os.path.relpath(f, report_md.parent)).as_posix() for f in drawn]
     atomic_write(report_md, sections.render(summary, env, runs))
     write_json(summary_json, summary)

@@ -1,6 +1,7 @@
 """Every figure of the report (PNG, labelled axes and units), from the run files and the summary only.
 
-``draw(summary, runs, fig_dir)`` draws them all and returns the files written; MLflow logs those files.
+``draw(summary, runs, fig_dir)`` draws them all and returns the files written (MLflow logs those files) and the
+figures that could not be drawn, with why: a figure is an analysis, and one that fails stops nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from ampbench.errors import analysis  # noqa: E402
 from ampbench.report.fmt import MIB  # noqa: E402
 from ampbench.report.summary import profile_categories, sweep_memory  # noqa: E402
 
@@ -221,10 +223,21 @@ def sweep(s: dict | None, fig_dir: Path) -> list[Path]:
     return made
 
 
-def draw(summary: dict, runs: dict[str, dict], fig_dir: Path) -> list[Path]:
-    """Every figure of the report into ``fig_dir``; the files written."""
-    made = [throughput(runs, fig_dir / "throughput.png"), memory(runs, fig_dir / "memory.png"),
-            curves(runs, fig_dir / "curves.png"), loss_scale(runs, fig_dir / "loss_scale.png"),
-            grad_norm(runs, fig_dir / "grad_norm.png"), audit(runs, fig_dir / "numerics_audit.png"),
-            profile(runs, fig_dir / "profile.png")]
-    return [p for p in made if p is not None] + sweep(summary.get("sweep"), fig_dir)
+def draw(summary: dict, runs: dict[str, dict], fig_dir: Path) -> tuple[list[Path], dict[str, str]]:
+    """Every figure of the report into ``fig_dir``: the files written, and the figures that could not be drawn
+    (file name -> why; each one warned of, the others drawn)."""
+    model = next((r["metrics"].get("model") for r in runs.values()), "the model")
+    made, failed = [], {}
+    for draw_one, name in ((throughput, "throughput.png"), (memory, "memory.png"), (curves, "curves.png"),
+                           (loss_scale, "loss_scale.png"), (grad_norm, "grad_norm.png"),
+                           (audit, "numerics_audit.png"), (profile, "profile.png")):
+        path, why = analysis("figures", f"{model} ({name})", draw_one, runs, fig_dir / name)
+        made.append(path)
+        if why:
+            failed[name] = why
+            plt.close("all")
+    swept, why = analysis("figures", f"{model} (sweep figures)", sweep, summary.get("sweep"), fig_dir)
+    if why:
+        failed["sweep figures"] = why
+        plt.close("all")
+    return [p for p in made if p is not None] + (swept or []), failed

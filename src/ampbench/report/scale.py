@@ -39,6 +39,8 @@ def sweep(summary: dict, env: dict, runs: dict) -> list[str]:
                              f"{(sweep_memory(p, s['device']) or 0) / fmt.MIB:,.1f} MiB")
         out.append(f"| {b} | " + " | ".join(cells) + " |")
     out.append("")
+    out += [f"Could not be made: {p['precision']} at batch {p['batch_size']} ({p['error']})." for p in s["not_made"]]
+    out += [""] if s["not_made"] else []
     if not s["largest"]:
         return out
     out += ["Largest batch that fits:", "", "| precision | largest batch | vs fp32 | how | limit |",

@@ -70,6 +70,14 @@ def _accuracy(r: dict) -> str:
     return fmt.num(r["final_acc"], ".2%") + sd
 
 
+def not_made(summary: dict, *analyses: str) -> list[str]:
+    """One line per variant for which an analysis could not be made, with why (``errors.analysis``)."""
+    from ampbench.errors import ANALYSES
+    lines = [f"{ANALYSES[a][0].upper()}{ANALYSES[a][1:]} could not be made for `{n}`: {why}."
+             for a in analyses for n, r in summary["variants"].items() if (why := (r.get("not_made") or {}).get(a))]
+    return lines + [""] if lines else []
+
+
 def header(summary: dict, env: dict, runs: dict) -> list[str]:
     """The title, the verdict paragraph and the model it is about."""
     lines = ["# ampbench report: what FP16 mixed precision bought here", "", paragraph(summary, env), ""]
@@ -114,7 +122,7 @@ def results(summary: dict, env: dict, runs: dict) -> list[str]:
                   "train.repeats: 3 or more for a figure to publish.")
         lines += [f"Speedup interval: {'; '.join(methods)}."
                   + (caveat if any(m.startswith("bootstrap") for m in methods) else ""), ""]
-    return lines + _time_to_accuracy(summary)
+    return lines + not_made(summary, "flops") + _time_to_accuracy(summary)
 
 
 def _time_to_accuracy(summary: dict) -> list[str]:
@@ -138,8 +146,10 @@ def profile(summary: dict, env: dict, runs: dict) -> list[str]:
     """A category table per variant, why each variant against the baseline, GPU idle time, the profile's cost."""
     lines = ["## Why: the step profile", ""]
     rows = {n: r["profile"] for n, r in summary["variants"].items() if (r.get("profile") or {}).get("categories")}
+    failed = not_made(summary, "profile")
     if not rows:
-        return lines + ["No step profile (profile.steps: 0)."]
+        return lines + (failed or ["No step profile (profile.steps: 0)."])
+    lines += failed
     names = list(rows)
     first = rows[names[0]]
     lines += [f"Time per optimizer step by op category, from torch.profiler over {first['steps']} steps per variant "
@@ -297,7 +307,7 @@ def memory(summary: dict, env: dict, runs: dict) -> list[str]:
         "across devices. Parameters, gradients and the optimizer's state (SGD's momentum: one value per parameter; "
         "AdamW's two moments: two) stay fp32 in every variant. The data "
         "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", "",
-        *_optimizer_state_outweighs(summary)]
+        *not_made(summary, "activations"), *_optimizer_state_outweighs(summary)]
 
 
 def _optimizer_state_outweighs(summary: dict) -> list[str]:
@@ -376,6 +386,7 @@ def safety(summary: dict, env: dict, runs: dict) -> list[str]:
                               "layers converted" for n, r in fp8)
                   + "); the rest of the model runs under bf16 autocast. The fp16 audit below does not apply to it.",
                   ""]
+    lines += not_made(summary, "accumulation", "audit")
     lines += _grad_norms(summary["baseline"], runs)
     for name, run in runs.items():
         if run.get("numerics"):
@@ -443,8 +454,10 @@ def _audit(name: str, run: dict) -> list[str]:
 
 def figures(summary: dict, env: dict, runs: dict) -> list[str]:
     """Every figure drawn, by its path relative to report.md."""
-    found = summary.get("figures") or []
-    return ["## Figures", ""] + [f"![{Path(f).stem}]({f})" for f in found] + [""] if found else []
+    found, failed = summary.get("figures") or [], summary.get("figures_not_drawn") or {}
+    lines = [f"Figure {name} could not be drawn: {why}." for name, why in failed.items()]
+    lines = lines + [""] if lines else []
+    return ["## Figures", ""] + lines + [f"![{Path(f).stem}]({f})" for f in found] + [""] if found or lines else []
 
 
 def environment(summary: dict, env: dict, runs: dict) -> list[str]:

@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 from ampbench import results  # noqa: E402
 from ampbench.config import MlflowConfig, flatten, project_root, redact_text, tracking_uri  # noqa: E402
 from ampbench.env import fingerprint, git_commit  # noqa: E402
+from ampbench.errors import analysis  # noqa: E402
 
 KEY_TAG = "ampbench.run_key"
 # MLflow 3's UI reads this experiment tag to know what kind of experiment it shows; without it the UI asks, and
@@ -115,7 +116,12 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     try:
         if inputs:
             client.log_inputs(rid, datasets=list(inputs))
-        model_id = _log_model(client, uri, exp_id, rid, run_name, model, tags) if model else None
+        model_id = None
+        if model:  # an analysis: a model that cannot be logged leaves the run logged without it, and says why
+            model_id, why = analysis("logged_model", run_name, _log_model, client, uri, exp_id, rid, run_name,
+                                     model, tags)
+            if why:
+                client.set_tag(rid, "ampbench.logged_model", f"not logged: {why}; the weights are in {model}")
         flat_params = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
         ms = [Metric(k.replace(".", "/"), v, 0, 0, model_id=model_id if k in MODEL_METRICS else None) for k, v in
               ((k, _metric_value(v)) for k, v in flatten(metrics).items()) if v is not None]
@@ -160,14 +166,10 @@ def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: 
     from ampbench.config import ModelConfig
     saved = torch.load(path, map_location="cpu", weights_only=True)
     variant = run_name.split("@")[-1]
-    try:
-        module = models.build(ModelConfig(**saved["model"]), num_classes=saved["num_classes"],
-                              image_size=saved["image_size"], device="cpu")
-        module.load_state_dict(saved["state_dict"])
-    except Exception as err:  # a factory that no longer builds what it trained: the run is logged without it
-        print(f"warning: the model of {run_name} could not be rebuilt to log it ({type(err).__name__}: "
-              f"{str(err).splitlines()[0][:200]}); its weights stay in {path}", flush=True)
-        return None
+    # a factory that no longer builds what it trained raises here: the run is logged without the model
+    module = models.build(ModelConfig(**saved["model"]), num_classes=saved["num_classes"],
+                          image_size=saved["image_size"], device="cpu")
+    module.load_state_dict(saved["state_dict"])
     code = [Path(models.__file__).resolve().parents[1]]  # the ampbench package: built-in models unpickle from it
     factory = saved["model"].get("factory")
     if factory:
@@ -185,6 +187,9 @@ def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: 
     try:
         mlflow.pytorch.log_model(module, name=variant, model_id=lm.model_id, serialization_format="pickle",
                                  code_paths=[str(p) for p in code if p.exists()], pip_requirements=requirements)
+    except Exception:
+        client.finalize_logged_model(lm.model_id, "FAILED")
+        raise
     finally:
         quiet.level = level
     return lm.model_id

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from ampbench import models
 from ampbench.data import Batches, DeviceBatches, StreamBatches
-from ampbench.errors import AmpbenchError, NonFiniteTraining
+from ampbench.errors import AmpbenchError, NonFiniteTraining, analysis
 from ampbench.measure import clock, flops, memory
 from ampbench.precision import PrecisionPolicy, micro_batch_size, tf32_flags
 from ampbench.runplan import RunPlan
@@ -106,9 +106,14 @@ class Trainer:
         self.micro = micro_batch_size(plan.train.batch_size // world.size, plan.accum_steps)  # per rank
 
         x, y = next(self.train_batches.epoch(0))
-        self.accum_check = probes.accumulation_check(self.model, x, y, self.micro) if plan.accum_steps > 1 else None
-        self.activation_bytes = probes.activation_bytes(self.model, x[:self.micro], self.policy)
-        self.flops_per_image = flops.train_flops_per_image(self.model, x[:8], y[:8])  # per image: 8 suffice
+        # measurements around training, on copies of the model: one that fails is said in the report, not fatal
+        self.not_made: dict[str, str] = {}  # analysis -> why it could not be made
+        self.accum_check = self.analysis("accumulation", probes.accumulation_check, self.model, x, y, self.micro) \
+            if plan.accum_steps > 1 else None
+        self.activation_bytes = self.analysis("activations", probes.activation_bytes, self.model, x[:self.micro],
+                                              self.policy)
+        # per image: 8 suffice
+        self.flops_per_image = self.analysis("flops", flops.train_flops_per_image, self.model, x[:8], y[:8])
         self.step_model = s.step_model
         memory.reset_peak_memory(device)  # before training: what the probes left is not training's
         # CUDA peaks by phase: steady-state training steps (from each process's second step, after cuDNN has
@@ -132,6 +137,14 @@ class Trainer:
         self.stop_requested = False  # Ctrl-C seen by this process
         self.stop_agreed = False     # under DDP: Ctrl-C seen by some rank, as of the last sync
         self.t_start = time.perf_counter()
+
+    def analysis(self, name: str, fn, *args):
+        """``errors.analysis`` for this run (rank 0 warns): the result, or None with the reason kept."""
+        with contextlib.redirect_stdout(None) if not self.world.main else contextlib.nullcontext():
+            result, why = analysis(name, f"{models.name(self.plan.model)} ({self.plan.variant})", fn, *args)
+        if why:
+            self.not_made[name] = why
+        return result
 
     # --- one optimizer step ------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ def run_result(t) -> RunResult:
     # an fp8 run that converted nothing ran in bf16: its peak is bf16's
     peak_prec = "bf16" if plan.fp8_recipe and not fp8_layers else datasheet_column(plan.precision)
     peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
-    achieved = t.flops_per_image * ips / 1e12 if ips else None
+    achieved = t.flops_per_image * ips / 1e12 if ips and t.flops_per_image else None
     metrics = {
         "variant": plan.variant, "precision": plan.precision, "accum_steps": plan.accum_steps,
         "micro_batch_size": t.micro, "epochs": plan.train.epochs, "batch_size": plan.train.batch_size,
@@ -100,6 +100,7 @@ def run_result(t) -> RunResult:
         "optimizer": plan.train.optimizer, "optimizer_impl": plan.train.optimizer_impl,
         "clip_grad_norm": plan.train.clip_grad_norm or None,
         "grad_norm_logged": t.log_norms,  # one norm per timed step too: part of what was timed
+        "not_made": dict(t.not_made),  # analysis -> why it could not be made (errors.analysis): the report says so
     }
     if not c.cycle_ms:
         metrics["timing_note"] = (f"no step was timed: every step fell within train.warmup_steps = "

@@ -103,13 +103,17 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     result = run_result(trainer)
     if world.main:  # the weights as trained: the profile below takes further steps
         result.weights = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()}
+    # analyses after training (never inside a timed step): one that fails is a warning and a line in the report
     if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model, which writes the result
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
-        result.numerics = numerics.audit(trainer.model, audit, trainer.last_scale, trainer.device.type)
+        result.numerics = trainer.analysis("audit", numerics.audit, trainer.model, audit, trainer.last_scale,
+                                           trainer.device.type) or []
     if profile and plan.profile.steps:
         if progress and world.main:
             tqdm.write(f"[{plan.variant}] profiling {plan.profile.steps} steps (torch.profiler, after the timed steps)")
-        result.metrics["profile"], result.profile_trace = profiling.profile_run(trainer, plan.profile.steps)
+        found = trainer.analysis("profile", profiling.profile_run, trainer, plan.profile.steps)
+        result.metrics["profile"], result.profile_trace = found or ({"error": trainer.not_made["profile"]}, "")
+    result.metrics["not_made"] = dict(trainer.not_made)
     return result
 
 

@@ -1,0 +1,149 @@
+"""Will this model run through ampbench? One model checked in seconds, before ``dvc repro``.
+
+    ampbench check-model tv:efficientnet_b0            # the params.yaml's variants, at its data size
+    ampbench check-model models.my_net:build --json out.json
+
+``check_model(cfg)`` builds the model, finds the input size it takes, counts its roofline on meta tensors, lists
+what fp8 would convert, and runs one optimizer step per precision (the engine's own ``train_step``, on a tiny
+batch of random images, on the CPU unless a GPU is at hand), each part timed. The result is a list of rows:
+``{"check", "ok", "detail"}``, with ``ok`` None for a part that is information, not a pass or fail (the roofline
+and fp8 are analyses: a model they cannot follow still trains). ``benchmarks/zoo.py`` runs it over torchvision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+
+from ampbench import config, data, models, runplan
+from ampbench.errors import first_line
+from ampbench.measure import roofline
+from ampbench.precision import CPU_FP8_RECIPES, float8_layers, spec
+from ampbench.train import setup, step
+
+ZOO_GPUS = ("RTX 5090", "H100 SXM")  # the roofline's ratios are given on these (the article's card, a datacenter one)
+STEP_BATCH = 2  # images per checked step: the least a BatchNorm in training mode takes
+
+
+def _timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
+
+
+def _step(cfg: config.Config, precision: str, size: int, num_classes: int, device: torch.device) -> dict:
+    """One optimizer step of ``precision`` at ``STEP_BATCH`` images of size x size: its loss and time."""
+    plan = runplan.for_precision(cfg, precision, device.type)
+    note = ""
+    if spec(precision).float8 and device.type == "cpu" and plan.fp8_recipe not in CPU_FP8_RECIPES:
+        note = f"recipe {CPU_FP8_RECIPES[0]} here: {plan.fp8_recipe} runs on a GPU only; "
+        plan = dataclasses.replace(plan, fp8_recipe=CPU_FP8_RECIPES[0])
+    meta = {"image_shape": [3, size, size], "num_classes": num_classes, "mean": [0.5] * 3, "std": [0.25] * 3}
+    s = setup.build(plan, meta, device)
+    g = torch.Generator().manual_seed(cfg.seed)
+    x = torch.randn(STEP_BATCH, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, num_classes, (STEP_BATCH,), generator=g).to(device)
+    if cfg.model.channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    t0 = time.perf_counter()
+    loss = float(step.train_step(s.step_model, s.opt, s.scaler, s.policy, x, y, STEP_BATCH,
+                                 clip=cfg.train.clip_grad_norm))
+    seconds = time.perf_counter() - t0
+    if not math.isfinite(loss):
+        raise RuntimeError(f"the step's loss is {loss}")
+    emulated = device.type == "cpu" and precision in ("fp16", "fp8")
+    return {"loss": loss, "s": seconds,
+            "note": note + ("emulated on a CPU: it shows the step runs, not its speed; " if emulated else "")}
+
+
+def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device: str = "cpu",
+                step_budget_s: float = 0.0, max_params: float = 0.0, no_step: str = "") -> dict:
+    """Every check of ``cfg``'s model: ``{"model", "params", "input_size", "rows", "ok"}``.
+
+    ``precisions``: those to step (default: the variants'); ``step_budget_s`` > 0 leaves the other precisions
+    unstepped once fp32's step took longer, ``max_params`` > 0 steps none of a larger model, ``no_step`` (a
+    reason) steps none: each named in its rows.
+    """
+    precisions = precisions or tuple(dict.fromkeys(v.precision for v in cfg.variants.values()))
+    dev = torch.device(device)
+    name = models.name(cfg.model)
+    desc = data.describe(cfg.data)
+    num_classes, side = desc["num_classes"], models.input_size(cfg.model, desc["image_size"])
+    rows = []
+
+    def row(check: str, ok: bool | None, detail: str, **extra) -> dict:
+        rows.append({"check": check, "ok": ok, "detail": detail, **extra})
+        return rows[-1]
+
+    model, built_s = _timed(models.build_meta, cfg.model, num_classes=num_classes, image_size=side)
+    params = sum(p.numel() for p in model.parameters())
+    row("build", True, f"{params / 1e6:,.1f}M parameters, shapes built in {built_s:.1f} s", s=built_s)
+    if max_params and params > max_params:
+        no_step = f"{params / 1e6:,.0f}M parameters, over {max_params / 1e6:,.0f}M for a step on the {device}"
+    fix = models.input_size_fix(cfg.model, num_classes, side, model)
+    size = side
+    if fix:
+        size = fix[0]  # the rest is checked at the size the model takes
+        row("input size", False, fix[1])
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, input_size=size))
+    else:
+        row("input size", True, f"{size}x{size}" + (" (model.input_size)" if cfg.model.input_size else
+                                                    " (the data's)"))
+    out = {"model": name, "params": params, "input_size": size, "num_classes": num_classes, "rows": rows}
+
+    try:
+        found, count_s = _timed(roofline.for_config, cfg)
+        per_image = found["summary"]["flops"] / found["batch"]
+        ratios = {}
+        for gpu in ZOO_GPUS:
+            t = roofline.table(found["ops"], roofline.find_gpu(gpu), found["batch"])
+            ratios[gpu] = {f"{p}_vs_{ref}": (t.get(p) or {}).get(f"vs_{ref}") for p in ("fp16", "bf16")
+                           for ref in ("fp32", "tf32")}
+        row("roofline", None, f"{per_image / 1e9:,.2f} GFLOP per image per step; " + "; ".join(
+            f"{gpu}: fp16 {r['fp16_vs_fp32']:.2f}x, bf16 {r['bf16_vs_fp32']:.2f}x strict fp32"
+            for gpu, r in ratios.items() if r["fp16_vs_fp32"] and r["bf16_vs_fp32"])
+            + f" (batch {found['batch']}, counted in {count_s:.1f} s)", flops_per_image=per_image, ratios=ratios)
+    except Exception as err:  # an analysis: the model still trains without it
+        row("roofline", None, f"not counted: {first_line(err)}")
+
+    try:
+        fp8 = float8_layers(model, runplan.fp8_recipe(cfg), size)
+        row("fp8 converts", None, (f"{len(fp8['called'])} Linear layer(s), {fp8['flop_share']:.0%} of the forward "
+                                   f"FLOPs" if fp8["called"] else "no layer: an fp8 variant would measure bf16"),
+            layers=len(fp8["called"]), flop_share=fp8["flop_share"])
+    except Exception as err:
+        row("fp8 converts", None, f"not found: {first_line(err)}")
+
+    fp32_s = None
+    for precision in precisions:
+        check = f"step {precision}"
+        if no_step:
+            row(check, None, f"not stepped: {no_step}")
+            continue
+        if step_budget_s and fp32_s is not None and fp32_s > step_budget_s:
+            row(check, None, f"not stepped: fp32's step took {fp32_s:.0f} s, over the {step_budget_s:g} s budget")
+            continue
+        try:
+            done, total_s = _timed(_step, cfg, precision, size, num_classes, dev)
+        except Exception as err:  # what a user's training would hit: the reason, in one line
+            row(check, False, first_line(err))
+            continue
+        if precision == "fp32":
+            fp32_s = done["s"]
+        row(check, True, f"{done['note']}loss {done['loss']:.3f}, step {done['s']:.2f} s (with setup "
+                         f"{total_s:.1f} s), batch {STEP_BATCH} at {size}x{size} on {dev.type}", s=done["s"])
+    out["ok"] = all(r["ok"] is not False for r in rows)
+    return out
+
+
+def table(result: dict) -> str:
+    """The rows as a Markdown table, under a line naming the model."""
+    mark = {True: "ok", False: "FAIL", None: "-"}
+    lines = [f"{result['model']}: {result['params'] / 1e6:,.1f}M parameters, {result['input_size']}x"
+             f"{result['input_size']} inputs, {result['num_classes']} classes", "",
+             "| check | result | detail |", "|---|---|---|"]
+    lines += [f"| {r['check']} | {mark[r['ok']]} | {r['detail']} |" for r in result["rows"]]
+    return "\n".join(lines)
