@@ -37,7 +37,7 @@ RATIO_KEYS = [(gpu, f"{p}_vs_{ref}") for gpu in conformance.ZOO_GPUS for p in ("
               for ref in ("fp32", "tf32")]
 COLUMNS = (["model", "params_m", "input_size", "input_fix", "gflop_per_image", "fp8_layers", "fp8_flop_share"]
            + [f"{gpu.replace(' ', '_')}_{key}" for gpu, key in RATIO_KEYS] + list(PRECISIONS)
-           + [f"{p}_why" for p in PRECISIONS] + ["seconds"])
+           + [f"{p}_why" for p in PRECISIONS] + ["roofline_why", "seconds"])
 
 
 def check_one(name: str, params: dict, max_params: float, step_budget: float) -> dict:
@@ -81,10 +81,13 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
              "emulated there: they show that the step runs, not its speed). Roofline ratios at batch 256, counted "
              "on meta tensors: each precision's step if every kernel ran at its datasheet peak, against strict "
              "fp32 and against tf32.", "", "## Summary", ""]
-    needs_size = [r for r in rows if r["input_fix"]]
+    unchecked = [r for r in rows if r.get("not_checked")]
+    needs_size = [r for r in rows if r["input_fix"] and not r.get("not_checked")]
     counted = [r for r in rows if r["gflop_per_image"]]
-    lines.append(f"- built and sized: {n} of {n}; {n - len(needs_size)} take 32x32 as they are, "
-                 f"{len(needs_size)} need `model.input_size` (env_check names the size): "
+    lines.append(f"- built and sized: {n - len(unchecked)} of {n}"
+                 + "".join(f"; not {r['model']}: {r['not_checked']}" for r in unchecked)
+                 + f"; {n - len(unchecked) - len(needs_size)} take 32x32 as they are, {len(needs_size)} need "
+                 "`model.input_size` (env_check names the size): "
                  + ", ".join(f"{r['model']} ({r['input_fix'].split(':')[0]})" for r in needs_size))
     lines.append(f"- roofline counted: {len(counted)} of {n}"
                  + "".join(f"; not {r['model']}: {r.get('roofline_why')}" for r in rows if not r["gflop_per_image"]))
@@ -136,7 +139,7 @@ def main() -> None:
         try:
             row = check_one(name, params, args.max_params, args.step_budget)
         except Exception as err:  # the check itself failed: a row that says so
-            row = {"model": name, "params_m": 0.0, "input_size": None, "input_fix": f"not checked: {first_line(err)}",
+            row = {"model": name, "params_m": 0.0, "input_size": None, "input_fix": "", "not_checked": first_line(err),
                    "gflop_per_image": None, "fp8_layers": None, "fp8_flop_share": None, "seconds": 0.0,
                    **{p: "FAIL" for p in PRECISIONS}, **{f"{p}_why": first_line(err) for p in PRECISIONS},
                    **{f"{g.replace(' ', '_')}_{k}": None for g, k in RATIO_KEYS}}

@@ -32,7 +32,10 @@ def check_fp8(cfg: config.Config, device: str, image_size: int, num_classes: int
                               "high-precision gradient GEMM fails under CPU bf16 autocast); use "
                               f"{' or '.join(precision.CPU_FP8_RECIPES)} here, or run on a GPU")
     model = models.build_meta(cfg.model, num_classes=num_classes, image_size=image_size)
-    found = precision.float8_layers(model, runplan.fp8_recipe(cfg), image_size)
+    found, why = analysis("fp8_census", models.name(cfg.model), precision.float8_layers, model,
+                          runplan.fp8_recipe(cfg), image_size)
+    if found is None:  # training converts the model itself; the report says what could not be counted
+        return {"error": why}, []
     warnings = []
     if not found["called"]:
         warnings.append(f"fp8 converts no layer of this model ({models.name(cfg.model)}: no Linear layer it calls "
@@ -119,10 +122,11 @@ def main() -> None:
           + (f", {workers} DataLoader worker(s) per process" if placement == "stream" else ""))
 
     # an estimate around training: a model the counter cannot follow still trains, and the report says why
-    counted, why = analysis("roofline", model["model"], roofline.record, cfg, gpu["name"] if gpu else None)
-    counted = counted or {"error": why}
+    counted, not_counted = analysis("roofline", model["model"], roofline.record, cfg, gpu["name"] if gpu else None)
+    counted = counted or {"error": not_counted}
     if fp8:
         counted["fp8"] = fp8
+    if fp8 and not fp8.get("error"):
         print(f"env_check: fp8 ({fp8['recipe']}) runs {len(fp8['called'])} of the model's layers in float8 "
               f"({fp8['flop_share']:.0%} of its forward FLOPs)" + (f": {', '.join(fp8['called'][:6])}"
                                                                    + (", ..." if len(fp8['called']) > 6 else "")

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from ampbench import config, data, errors, report, results, runplan, sweep
+from ampbench import config, data, errors, models, report, results, runplan, sweep
 from ampbench.train import runner
 
 FAIL = errors.FAIL_ON_PURPOSE
@@ -65,6 +65,7 @@ def test_a_failed_analysis_of_a_training_run_is_said_and_training_goes_on(tiny_p
     assert f"{errors.ANALYSES[name][0].upper()}{errors.ANALYSES[name][1:]} could not be made for `amp_accum`: " \
            "RuntimeError: failed on purpose" in md, md
     assert s["variants"]["amp_accum"]["not_made"] == m["not_made"]
+    assert s["figures_not_drawn"] == {} and s["figures"]  # every figure drawn without what is missing
 
 
 def test_a_sweep_point_and_the_largest_batch_that_fail_are_said_and_not_kept(tiny_params, tiny_data, tmp_path,
@@ -76,7 +77,15 @@ def test_a_sweep_point_and_the_largest_batch_that_fail_are_said_and_not_kept(tin
     assert [(p["batch_size"], p["error"].startswith("RuntimeError: failed on purpose")) for p in out["not_made"]] \
         == [(4, True), (8, True)]
     assert out["points"] == [] and not list((tmp_path / "sweep" / "points").glob("*.json"))  # tried again next time
-    assert "a sweep point could not be made for small_cnn (fp32) (RuntimeError" in capsys.readouterr().out
+    monkeypatch.delenv(FAIL)
+    sweep.run_sweep(cfg, tiny_data, torch.device("cpu"), tmp_path / "sweep", "env", {"model": "small_cnn"})
+    kept = sorted(p.name for p in (tmp_path / "sweep" / "points").glob("*.json"))
+    monkeypatch.setenv(FAIL, "sweep")  # a setup that fails later leaves the points measured before
+    sweep.run_sweep(cfg, tiny_data, torch.device("cpu"), tmp_path / "sweep", "env", {"model": "small_cnn"})
+    assert kept == ["fp32-4.json", "fp32-8.json"] == sorted(p.name for p in (tmp_path / "sweep" / "points").glob("*"))
+    for p in (tmp_path / "sweep" / "points").glob("*"):
+        p.unlink()
+    assert "a sweep point could not be made for small_cnn (fp32: its setup) (RuntimeError" in capsys.readouterr().out
     monkeypatch.delenv(FAIL)
     real = sweep.Bench.point
 
@@ -134,6 +143,19 @@ def test_a_logged_model_that_fails_leaves_the_run_logged_and_tagged(tmp_path, tm
     run = MlflowClient(tmp_mlflow).get_run(rid)
     assert new and run.info.status == "FINISHED" and run.data.metrics["final_acc"] == 0.5
     assert run.data.tags["ampbench.logged_model"].startswith("not logged: RuntimeError: failed on purpose")
+    monkeypatch.delenv(FAIL)  # a real failure inside MLflow's log_model: the LoggedModel is marked FAILED
+    import mlflow.pytorch
+    monkeypatch.setattr(mlflow.pytorch, "log_model", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    torch.save({"state_dict": models.build(config.ModelConfig(arch="small_cnn"), num_classes=10, image_size=32,
+                                           device="cpu").state_dict(), "model": {"arch": "small_cnn"},
+                "num_classes": 10, "image_size": 32}, weights)
+    rid, _ = tracking.log_run(config.MlflowConfig(), tmp_path, run_name="train@amp", key="k2", params={"a": 1},
+                              metrics={"final_acc": 0.5}, tags={}, model=weights)
+    client = MlflowClient(tmp_mlflow)
+    run = client.get_run(rid)
+    assert run.info.status == "FINISHED" and "OSError: disk full" in run.data.tags["ampbench.logged_model"]
+    (logged,) = client.search_logged_models([run.info.experiment_id])
+    assert logged.status.name == "FAILED" and logged.source_run_id == rid
 
 
 def test_a_roofline_that_cannot_count_the_model_leaves_env_check_whole(tmp_path, tiny_params, monkeypatch):
@@ -143,8 +165,9 @@ def test_a_roofline_that_cannot_count_the_model_leaves_env_check_whole(tmp_path,
     import yaml
 
     from ampbench.sandbox import REPO_ROOT, env_with_venv
+    tiny_params["variants"]["fp8"] = {"precision": "fp8", "accum_steps": 1, "fp8_recipe": "tensorwise"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params))
-    env = {**env_with_venv(), FAIL: "roofline"}
+    env = {**env_with_venv(), FAIL: "roofline,fp8_census"}
     r = tmp_path / "reports"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--env", str(r / "env.json"),
                            "--plans", str(r / "plans"), "--data-source", str(r / "ds.json"), "--model-source",
@@ -153,13 +176,17 @@ def test_a_roofline_that_cannot_count_the_model_leaves_env_check_whole(tmp_path,
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "warning: the roofline count could not be made for small_cnn (RuntimeError: failed on purpose" \
         in proc.stdout and "Traceback" not in proc.stderr
-    assert json.loads((r / "roofline.json").read_text())["error"].startswith("RuntimeError: failed on purpose")
+    found = json.loads((r / "roofline.json").read_text())
+    assert found["error"].startswith("RuntimeError: failed on purpose")
+    assert found["fp8"]["error"].startswith("RuntimeError: failed on purpose")
+    assert "warning: the census of what fp8 converts could not be made for small_cnn" in proc.stdout
     assert sorted(p.name for p in (r / "plans").iterdir()) == sorted(f"{v}.json" for v in tiny_params["variants"])
 
 
 @pytest.mark.slow
 def test_every_analysis_failing_at_once_still_gives_a_report(tmp_path, tiny_params, monkeypatch):
-    """The whole pipeline, every analysis made to fail: every stage finishes, the report says what is missing."""
+    """The whole pipeline, every analysis made to fail: every stage finishes, the report says what is missing (the
+    fp8 census is env_check's, tested above with an fp8 variant)."""
     import subprocess
     import sys
 
@@ -174,8 +201,9 @@ def test_every_analysis_failing_at_once_still_gives_a_report(tmp_path, tiny_para
                           timeout=900, env={**sandbox.env_with_venv(), FAIL: "all"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
-    for name, what in errors.ANALYSES.items():  # each one warned of, in one line (no sweep: no largest batch)
-        assert name == "largest_batch" or f"warning: {what} could not be made for " in proc.stdout, what
+    skipped = ("largest_batch", "fp8_census")  # no sweep made, no largest batch to search; no fp8 variant
+    for name, what in errors.ANALYSES.items():  # each one warned of, in one line
+        assert name in skipped or f"warning: {what} could not be made for " in proc.stdout, what
     md = (repo / "reports" / "report.md").read_text()
     for line in ("Not counted: RuntimeError: failed on purpose", "The step profile could not be made for `fp32`",
                  "The accumulation check could not be made for `amp_accum`", "Could not be made: fp32 at batch 8",

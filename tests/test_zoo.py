@@ -50,6 +50,50 @@ def test_a_model_that_reads_values_in_its_constructor_is_built_on_the_cpu_and_mo
     assert all(p.is_meta for p in model.parameters()) and models.takes(model, 32, 10)
 
 
+class _AnySideFrom64(torch.nn.Module):
+    """Takes any side of 64 or more; says it was built for 224, as a ViT does."""
+
+    image_size = 224
+
+    def __init__(self, num_classes=10):
+        super().__init__()
+        self.fc = torch.nn.Linear(3, num_classes)
+
+    def forward(self, x):
+        if x.shape[-1] < 64:
+            raise ValueError(f"too small: {x.shape[-1]}")
+        return self.fc(x.mean((2, 3)))
+
+
+class _ReadsValues(_AnySideFrom64):
+    """Computes with values while it is built, as RegNet does: not buildable on the meta device."""
+
+    def __init__(self, num_classes=10):
+        super().__init__(num_classes)
+        self.widths = torch.linspace(1, 2, 3).tolist()
+
+
+class _Pair(_AnySideFrom64):
+    def forward(self, x):
+        return self.fc(x.mean((2, 3))), x
+
+
+def test_the_least_side_is_found_even_when_the_model_names_a_larger_one(monkeypatch):
+    monkeypatch.setattr(models, "_builder", lambda cfg: lambda n, side: _ReadsValues(n))
+    model = models.build_meta(ModelConfig(factory="mine:build"), num_classes=10, image_size=32)  # CPU, then meta
+    assert all(p.is_meta for p in model.parameters())
+    assert models.input_size_fix(ModelConfig(factory="mine:build"), 10, 32, model) == (
+        64, "takes inputs of at least 64x64 (the data's 32): set model.input_size: 64")
+
+
+def test_check_model_fails_a_model_that_gives_no_logits_at_any_side(tiny_params, monkeypatch):
+    monkeypatch.setattr(models, "_builder", lambda cfg: lambda n, side: _Pair(n))
+    result = conformance.check_model(_cfg(tiny_params, "small_cnn"), precisions=("fp32",))
+    rows = {r["check"]: r for r in result["rows"]}
+    assert rows["input size"]["ok"] is False and "no input side tried gives logits" in rows["input size"]["detail"]
+    assert rows["step fp32"]["ok"] is False and result["ok"] is False
+
+
 def _cfg(tiny_params, arch):
     tiny_params["model"] = {"arch": arch}
     return config.from_dict(tiny_params)

@@ -210,7 +210,8 @@ def check_model_cmd(args) -> None:
     for p in precisions:
         if p not in config.PRECISIONS:
             raise ConfigError(f"--precisions: {p!r} is not a precision; use {', '.join(config.PRECISIONS)}")
-    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    import torch
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = conformance.check_model(cfg, precisions=precisions, device=device, step_budget_s=args.step_budget,
                                      no_step=args.no_step)
     print(conformance.table(result))
@@ -262,7 +263,8 @@ def main() -> None:
                                  "module:function")
     m.add_argument("--params", default="params.yaml", help="the data, variants and training settings to check with")
     m.add_argument("--precisions", default="", help="comma-separated precisions to step (default: the variants')")
-    m.add_argument("--device", default="", help="cpu or cuda (default: cuda when there is one)")
+    m.add_argument("--device", default="", choices=("", "cpu", "cuda"),
+                   help="cpu or cuda (default: cuda when there is one)")
     m.add_argument("--step-budget", type=float, default=0.0, metavar="S",
                    help="step no other precision once fp32's step took longer than S seconds (0: no budget)")
     m.add_argument("--no-step", default="", metavar="REASON", help="step nothing, giving this reason")

@@ -22,7 +22,7 @@ ANALYSES = {  # name -> what the warning calls it
     "roofline": "the roofline count", "audit": "the numerics audit", "accumulation": "the accumulation check",
     "activations": "the activation-memory meter", "flops": "the FLOP count", "profile": "the step profile",
     "sweep": "a sweep point", "largest_batch": "the largest-batch search", "figures": "the figures",
-    "logged_model": "the MLflow LoggedModel"}
+    "logged_model": "the MLflow LoggedModel", "fp8_census": "the census of what fp8 converts"}
 
 
 class AmpbenchError(Exception):
@@ -45,6 +45,13 @@ class EnvironmentMismatch(AmpbenchError):
 
 class DataError(AmpbenchError):
     """The data set could not be fetched, verified or read: exit code 1."""
+
+    exit_code = 1
+
+
+class AnalysisError(AmpbenchError):
+    """An analysis cannot be made for this model (the roofline cannot count an op): not the user's mistake; an
+    analysis's caller warns of it, a command that is only that analysis exits 1 with its line."""
 
     exit_code = 1
 
@@ -79,12 +86,18 @@ def first_line(err: BaseException) -> str:
 def analysis(name: str, model: str, fn: Callable, *args, **kwargs) -> tuple[object, str | None]:
     """Run the analysis ``name`` (a key of ``ANALYSES``) of ``model``: ``(its result, None)``, or, when it raises,
     ``(None, why)`` after one warning line (the analysis, the model, the error's first line). Training is the
-    product; an analysis that cannot be made for a model is said, never a stopped pipeline. Ctrl-C still stops."""
+    product; an analysis that cannot be made for a model is said, never a stopped pipeline. A user's mistake (a bad
+    value, a machine that cannot run what is asked) and Ctrl-C still stop.
+
+    Under DDP every rank runs the profile's collectives: a failure on one rank alone (the same code on the same
+    model fails on all of them, as the tests' hook does) leaves the others to the process group's timeout."""
     try:
         asked = {n.strip() for n in os.environ.get(FAIL_ON_PURPOSE, "").split(",") if n.strip()}
         if name in asked or "all" in asked:
             raise RuntimeError(f"failed on purpose ({FAIL_ON_PURPOSE}={os.environ[FAIL_ON_PURPOSE]})")
         return fn(*args, **kwargs), None
+    except (ConfigError, EnvironmentMismatch):
+        raise
     except Exception as err:  # an analysis's own failure, whatever it is: the stage goes on
         why = first_line(err)
         print(f"warning: {ANALYSES[name]} could not be made for {model} ({why})", flush=True)

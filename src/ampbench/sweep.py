@@ -301,13 +301,15 @@ def _measure(bench: Bench, batch: int, steps: int, key: str) -> dict:
     def attempt() -> dict:
         try:
             return {**bench.point(batch, steps), "key": key}
-        except torch.cuda.OutOfMemoryError:
+        except RuntimeError as err:  # out of memory, as torch or a library (cuBLAS, cuDNN) says it
+            if not isinstance(err, torch.cuda.OutOfMemoryError) and not OUT_OF_MEMORY.search(str(err)):
+                raise
             bench.free()
             return {"precision": bench.precision, "batch_size": batch, "oom": True, "key": key}
 
+    # any other error: no free(), the CUDA context may be unusable (as in the largest-batch search)
     point, why = analysis("sweep", f"{models.name(bench.cfg.model)} ({bench.precision}, batch {batch})", attempt)
     if why:
-        bench.free()
         return {"precision": bench.precision, "batch_size": batch, "error": why}
     mem = (f"peak {point.get('peak_mem_bytes', 0) / 2**20:,.0f} MiB" if bench.device.type == "cuda"
            else f"activations {point.get('activation_bytes', 0) / 2**20:,.1f} MiB")
@@ -331,15 +333,15 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
     precisions = sweep_precisions(cfg)
     failed = []  # points (and largest-batch searches) that could not be made, with why
     for precision in precisions:
-        bench, why = analysis("sweep", f"{models.name(cfg.model)} ({precision})", Bench, cfg, prepared, device,
-                              precision)
+        wanted.update(f"{precision}-{batch}.json" for batch in cfg.sweep.batch_sizes)  # kept, even if this fails
+        bench, why = analysis("sweep", f"{models.name(cfg.model)} ({precision}: its setup)", Bench, cfg, prepared,
+                              device, precision)
         if bench is None:
             failed += [{"precision": precision, "batch_size": b, "error": why} for b in cfg.sweep.batch_sizes]
             continue
         points = []
         for batch in cfg.sweep.batch_sizes:
             path = points_dir / f"{precision}-{batch}.json"
-            wanted.add(path.name)
             key = point_key(cfg, precision, batch, prepared["meta"], env_fingerprint, model_source, code)
             old = json.loads(path.read_text()) if path.is_file() else {}
             if old.get("key") == key:

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ampbench.errors import ConfigError
+from ampbench.errors import AnalysisError, ConfigError, first_line
 from ampbench.measure.flops import DATASHEET
 
 # CUDA autocast's op lists (ATen/autocast_mode.h, AT_FORALL_LOWER_PRECISION_FP and AT_FORALL_FP32 /
@@ -131,11 +131,10 @@ def _castable(t, dtype: torch.dtype) -> bool:
         and t.dtype not in (dtype, torch.float64)
 
 
-def _cannot_count(what: str, err: Exception) -> ConfigError:
+def _cannot_count(what: str, err: Exception) -> AnalysisError:
     """One line naming what failed on meta tensors and its error's first line, guessing at no single cause."""
-    why = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return ConfigError(f"the roofline cannot count this model: {what} fails on meta tensors ({why}); the model may "
-                       "not take this input size, or needs data-dependent shapes or values")
+    return AnalysisError(f"the roofline cannot count this model: {what} fails on meta tensors ({first_line(err)}); "
+                         "the model may not take this input size, or needs data-dependent shapes or values")
 
 
 def _fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
@@ -177,7 +176,7 @@ class _Autocast(TorchFunctionMode):
             args, kwargs = self._autocast(op, args, kwargs)
         try:
             return func(*args, **kwargs)  # with this mode off, as autocast runs a listed op with itself off
-        except ConfigError:
+        except AnalysisError:
             raise
         except Exception as err:  # a composite's own check (a layer_norm's shape) fails before any aten op runs
             raise _cannot_count(op, err) from None

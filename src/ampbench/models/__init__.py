@@ -29,7 +29,7 @@ import torchvision.models
 from torch import nn
 
 from ampbench.config import DistributedConfig, ModelConfig
-from ampbench.errors import ConfigError
+from ampbench.errors import ConfigError, first_line
 from ampbench.models.cifar import resnet18_cifar, small_cnn
 from ampbench.models.vit import PATCH, vit_tiny
 
@@ -67,7 +67,7 @@ def _import_factory(spec: str) -> Callable:
         module = importlib.import_module(module_name)
     except Exception as err:  # any error in the user's module: say which, and where
         raise ConfigError(f"params.yaml: model.factory = {spec!r}: importing {module_name} failed "
-                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); the module must "
+                          f"({first_line(err)}); the module must "
                           f"be importable from the repository root ({root})") from None
     fn = getattr(module, attr, None)
     if not callable(fn):
@@ -87,8 +87,8 @@ def _builder(cfg: ModelConfig) -> Callable[[int, int], nn.Module]:
                 model = fn(num_classes=num_classes, image_size=image_size) if takes_size \
                     else fn(num_classes=num_classes)
             except Exception as err:
-                raise ConfigError(f"params.yaml: model.factory = {cfg.factory!r} raised {type(err).__name__}: "
-                                  f"{str(err).splitlines()[0] if str(err) else ''}; fix the factory, or call it "
+                raise ConfigError(f"params.yaml: model.factory = {cfg.factory!r} raised {first_line(err)}; "
+                                  "fix the factory, or call it "
                                   "by hand to see the traceback") from None
             if not isinstance(model, nn.Module):
                 raise ConfigError(f"params.yaml: model.factory = {cfg.factory!r} returned a "
@@ -127,13 +127,12 @@ def build(cfg: ModelConfig, *, num_classes: int, image_size: int, device: str | 
 def build_meta(cfg: ModelConfig, *, num_classes: int, image_size: int) -> nn.Module:
     """The model with shapes and no values, on the meta device: built there (no memory, no initialisation time), or
     on the CPU and moved when its constructor reads values (RegNet: "Cannot copy out of meta tensor")."""
+    build = _builder(cfg)  # an unknown name or a factory that does not import stops here
     try:
         with torch.device("meta"):
-            model = _builder(cfg)(num_classes, image_size)
-    except ConfigError:
-        raise
-    except Exception:  # the constructor computes with values: build it for real, then drop them
-        model = _builder(cfg)(num_classes, image_size)
+            model = build(num_classes, image_size)
+    except Exception:  # the constructor (or a factory) computes with values: build it for real, then drop them
+        model = build(num_classes, image_size)
     model = model.to("meta")
     return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
 
@@ -152,21 +151,22 @@ def input_size_fix(cfg: ModelConfig, num_classes: int, side: int,
     """None when the model takes side x side inputs; otherwise the side to set and the sentence that says so
     (e.g. "needs 224x224 inputs (the data's 32): set model.input_size: 224").
 
-    The size is found by trying sides on meta tensors in training mode (what the step runs): the model's own
-    ``image_size`` first (torchvision's ViT), then ``_SIDES`` upwards (and downwards), then the smallest side
-    between the first that works and the one below it; never the default weights' transforms, which say how
-    ImageNet was fed, not what the model takes (518 for vit_h_14, built for 224).
+    The size is found by trying sides on meta tensors in training mode (what the step runs): ``_SIDES`` upwards,
+    the model's own ``image_size`` (torchvision's ViT), ``_SIDES`` downwards, then the smallest side between the
+    first that works and the side tried before it; never the default weights' transforms, which say how ImageNet
+    was fed, not what the model takes (518 for vit_h_14, built for 224). None too when no side works: the caller's
+    own error says what failed (``takes`` tells the two apart).
     """
     probe = model if model is not None else build_meta(cfg, num_classes=num_classes, image_size=side)
     if takes(probe, side, num_classes):
         return None
     own = getattr(probe, "image_size", None)
-    tried = ([own] if isinstance(own, int) else []) + [s for s in _SIDES if s > side] \
+    tried = [s for s in _SIDES if s > side] + ([own] if isinstance(own, int) else []) \
         + [s for s in reversed(_SIDES) if s < side]
     first = next((s for s in tried if takes(probe, s, num_classes)), None)
     if first is None:
-        return None  # no size helps: the caller's own error says what failed
-    lo = max([side] + [s for s in _SIDES if s < first]) if first > side else first - 1
+        return None
+    lo = max([side] + [s for s in _SIDES if side < s < first]) if first > side else first - 1
     hi = first  # the smallest side in (lo, first] that works, by bisection
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -194,7 +194,7 @@ def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
         if fix:
             raise ConfigError(f"params.yaml: model {name(cfg)!r} {fix[1]}") from None
         raise ConfigError(f"params.yaml: model {name(cfg)!r} cannot take {image_size}x{image_size} images "
-                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); set "
+                          f"({first_line(err)}); set "
                           "model.input_size to a size it takes (e.g. 224 for ImageNet models)") from None
     if not torch.is_tensor(out) or tuple(out.shape) != (2, num_classes):
         got = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__

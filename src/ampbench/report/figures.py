@@ -238,6 +238,6 @@ def draw(summary: dict, runs: dict[str, dict], fig_dir: Path) -> tuple[list[Path
             plt.close("all")
     swept, why = analysis("figures", f"{model} (sweep figures)", sweep, summary.get("sweep"), fig_dir)
     if why:
-        failed["sweep figures"] = why
+        failed["sweep_throughput.png and sweep_memory.png"] = why
         plt.close("all")
     return [p for p in made if p is not None] + (swept or []), failed

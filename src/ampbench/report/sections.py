@@ -12,6 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
+from ampbench.errors import ANALYSES
 from ampbench.report import fmt
 from ampbench.report.scale import scaling, sweep
 from ampbench.report.summary import profile_categories
@@ -72,7 +73,6 @@ def _accuracy(r: dict) -> str:
 
 def not_made(summary: dict, *analyses: str) -> list[str]:
     """One line per variant for which an analysis could not be made, with why (``errors.analysis``)."""
-    from ampbench.errors import ANALYSES
     lines = [f"{ANALYSES[a][0].upper()}{ANALYSES[a][1:]} could not be made for `{n}`: {why}."
              for a in analyses for n, r in summary["variants"].items() if (why := (r.get("not_made") or {}).get(a))]
     return lines + [""] if lines else []
@@ -218,6 +218,8 @@ def _article_roofline(found: dict | None) -> list[str]:
 def _fp8_lines(fp8: dict | None) -> list[str]:
     if not fp8:
         return []
+    if fp8.get("error"):
+        return ["", f"What fp8 converts could not be counted: {fp8['error']}."]
     if not fp8["called"]:
         return ["", "fp8 converts no layer of this model (no Linear layer it calls has both dimensions multiples of "
                 "16), so its fp8 variants measure bf16."]

@@ -157,7 +157,8 @@ def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: 
                tags: dict) -> str | None:
     """The run's trained model as an MLflow LoggedModel, rebuilt from its weights file (``results.MODEL``) with the
     code that loads it (ampbench's package; a user factory's package) and explicit pip requirements (inferring
-    them imports the model's modules and asks a package index); None, with a warning, if it cannot be logged."""
+    them imports the model's modules and asks a package index); its id. Raises when it cannot be logged (a LoggedModel
+    already created is marked FAILED): the caller runs it as an analysis."""
     import mlflow
     import torch
     import torchvision

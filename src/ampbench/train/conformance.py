@@ -26,6 +26,7 @@ from ampbench.train import setup, step
 
 ZOO_GPUS = ("RTX 5090", "H100 SXM")  # the roofline's ratios are given on these (the article's card, a datacenter one)
 STEP_BATCH = 2  # images per checked step: the least a BatchNorm in training mode takes
+ROOFLINE_PRECISIONS = ("fp32", "tf32", "bf16", "fp16")  # the ratios given (fp8's census is its own row)
 
 
 def _timed(fn, *args, **kwargs):
@@ -52,9 +53,13 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
     loss = float(step.train_step(s.step_model, s.opt, s.scaler, s.policy, x, y, STEP_BATCH,
                                  clip=cfg.train.clip_grad_norm))
     seconds = time.perf_counter() - t0
+    # a CPU has no fp16 or fp8 tensor cores: autocast to fp16 and torchao's fp8 GEMMs run emulated there
+    emulated = device.type == "cpu" and (spec(precision).float8 or spec(precision).autocast_dtype == torch.float16)
     if not math.isfinite(loss):
-        raise RuntimeError(f"the step's loss is {loss}")
-    emulated = device.type == "cpu" and precision in ("fp16", "fp8")
+        raise RuntimeError(f"the step's loss is {loss}" + (
+            " on a CPU, whose autocast lists differ from CUDA's: it runs in fp16 some ops CUDA autocast keeps in fp32 "
+            "(F.normalize's norm: its eps of 1e-12 is 0 in fp16, so a zero vector gives 0/0); a GPU run tells"
+            if emulated and spec(precision).autocast_dtype == torch.float16 else ""))
     return {"loss": loss, "s": seconds,
             "note": note + ("emulated on a CPU: it shows the step runs, not its speed; " if emulated else "")}
 
@@ -85,7 +90,10 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
         no_step = f"{params / 1e6:,.0f}M parameters, over {max_params / 1e6:,.0f}M for a step on the {device}"
     fix = models.input_size_fix(cfg.model, num_classes, side, model)
     size = side
-    if fix:
+    if fix is None and not models.takes(model, side, num_classes):
+        row("input size", False, f"no input side tried gives logits of shape (2, {num_classes}) in training mode; "
+                                 "make the model return one tensor of class scores")
+    elif fix:
         size = fix[0]  # the rest is checked at the size the model takes
         row("input size", False, fix[1])
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, input_size=size))
@@ -95,7 +103,7 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
     out = {"model": name, "params": params, "input_size": size, "num_classes": num_classes, "rows": rows}
 
     try:
-        found, count_s = _timed(roofline.for_config, cfg)
+        found, count_s = _timed(roofline.for_config, cfg, precisions=ROOFLINE_PRECISIONS)
         per_image = found["summary"]["flops"] / found["batch"]
         ratios = {}
         for gpu in ZOO_GPUS:

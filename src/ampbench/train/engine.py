@@ -104,15 +104,13 @@ class Trainer:
                                 f"processes x accum_steps = {plan.accum_steps} equal micro-batches; choose a "
                                 f"multiple of {world.size * plan.accum_steps}")
         self.micro = micro_batch_size(plan.train.batch_size // world.size, plan.accum_steps)  # per rank
-
         x, y = next(self.train_batches.epoch(0))
-        # measurements around training, on copies of the model: one that fails is said in the report, not fatal
+        # analyses on copies of the model (FLOPs per image: 8 suffice): one that fails is said, never fatal
         self.not_made: dict[str, str] = {}  # analysis -> why it could not be made
         self.accum_check = self.analysis("accumulation", probes.accumulation_check, self.model, x, y, self.micro) \
             if plan.accum_steps > 1 else None
         self.activation_bytes = self.analysis("activations", probes.activation_bytes, self.model, x[:self.micro],
                                               self.policy)
-        # per image: 8 suffice
         self.flops_per_image = self.analysis("flops", flops.train_flops_per_image, self.model, x[:8], y[:8])
         self.step_model = s.step_model
         memory.reset_peak_memory(device)  # before training: what the probes left is not training's
@@ -142,8 +140,7 @@ class Trainer:
         """``errors.analysis`` for this run (rank 0 warns): the result, or None with the reason kept."""
         with contextlib.redirect_stdout(None) if not self.world.main else contextlib.nullcontext():
             result, why = analysis(name, f"{models.name(self.plan.model)} ({self.plan.variant})", fn, *args)
-        if why:
-            self.not_made[name] = why
+        self.not_made.update({name: why} if why else {})
         return result
 
     # --- one optimizer step ------------------------------------------------------------------

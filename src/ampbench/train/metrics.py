@@ -100,7 +100,6 @@ def run_result(t) -> RunResult:
         "optimizer": plan.train.optimizer, "optimizer_impl": plan.train.optimizer_impl,
         "clip_grad_norm": plan.train.clip_grad_norm or None,
         "grad_norm_logged": t.log_norms,  # one norm per timed step too: part of what was timed
-        "not_made": dict(t.not_made),  # analysis -> why it could not be made (errors.analysis): the report says so
     }
     if not c.cycle_ms:
         metrics["timing_note"] = (f"no step was timed: every step fell within train.warmup_steps = "

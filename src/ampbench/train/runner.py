@@ -113,7 +113,7 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
             tqdm.write(f"[{plan.variant}] profiling {plan.profile.steps} steps (torch.profiler, after the timed steps)")
         found = trainer.analysis("profile", profiling.profile_run, trainer, plan.profile.steps)
         result.metrics["profile"], result.profile_trace = found or ({"error": trainer.not_made["profile"]}, "")
-    result.metrics["not_made"] = dict(trainer.not_made)
+    result.metrics["not_made"] = dict(trainer.not_made)  # analysis -> why it could not be made: the report says
     return result
 
 
