@@ -33,14 +33,27 @@ SHRUNK = {"device": "cpu", "data": {"source": "synthetic", "train_size": 64, "te
           "profile": {"steps": 1}, "sweep": {"batch_sizes": [8, 16], "steps": 1}}
 
 
-def params_for(arch: str) -> dict:
+def params_for(arch: str, overrides: dict | None = None) -> dict:
     base = yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())
-    return sandbox.merge(copy.deepcopy(base), {**SHRUNK, "model": {"arch": arch}})
+    return sandbox.merge(sandbox.merge(copy.deepcopy(base), {**SHRUNK, "model": {"arch": arch}}), overrides or {})
 
 
-def repro(arch: str, where: Path, timeout: float = 1800) -> dict:
+def parse_set(items: list[str]) -> dict:
+    """``["sweep.enabled=false", ...]`` -> ``{"sweep": {"enabled": False}}`` (values read as YAML)."""
+    out: dict = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        *path, last = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return out
+
+
+def repro(arch: str, where: Path, overrides: dict | None = None, timeout: float = 1800) -> dict:
     """One model's shrunk `dvc repro`: ``{"model", "outcome", "line", "s"}``; outcome trained | stopped | FAILED."""
-    repo = sandbox.create(where, params_for(arch))
+    repo = sandbox.create(where, params_for(arch, overrides))
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, capture_output=True, text=True,
@@ -66,11 +79,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(TABLE), help="comma-separated model.arch values")
     ap.add_argument("--out", default=str(sandbox.REPO_ROOT / "benchmarks" / "results" / "zoo_pipeline"))
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a params.yaml value on top of the shrunk ones, e.g. sweep.enabled=false (repeatable)")
     args = ap.parse_args()
-    rows = []
+    rows, overrides = [], parse_set(args.set)
     with tempfile.TemporaryDirectory() as tmp:
         for i, arch in enumerate(a for a in args.models.split(",") if a):
-            row = repro(arch, Path(tmp) / f"repo{i}")
+            row = repro(arch, Path(tmp) / f"repo{i}", overrides)
             rows.append(row)
             print(f"[zoo pipeline] {arch}: {row['outcome']} in {row['s']:.0f} s: {row['line']}", flush=True)
     lines = ["# The zoo through `dvc repro`", "",

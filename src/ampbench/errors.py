@@ -78,8 +78,11 @@ def run_cli(main: Callable[[], None]) -> None:
 
 
 def first_line(err: BaseException) -> str:
-    """``Type: the message's first line``: what a one-line warning says of an exception."""
+    """``Type: the message's first line`` (an ampbench error's message alone: it is written for the user): what a
+    one-line warning says of an exception."""
     text = str(err).strip().splitlines()
+    if isinstance(err, AmpbenchError) and text:
+        return text[0][:300]
     return f"{type(err).__name__}: {text[0][:300]}" if text else type(err).__name__
 
 
