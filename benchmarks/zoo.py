@@ -35,7 +35,8 @@ from ampbench.train import conformance
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 RATIO_KEYS = [(gpu, f"{p}_vs_{ref}") for gpu in conformance.ZOO_GPUS for p in ("fp16", "bf16")
               for ref in ("fp32", "tf32")]
-COLUMNS = (["model", "params_m", "input_size", "input_fix", "gflop_per_image", "fp8_layers", "fp8_flop_share"]
+COLUMNS = (["model", "params_m", "input_size", "input_fix", "gflop_per_image", "fp8_layers", "fp8_flop_share",
+            "activation_meter"]
            + [f"{gpu.replace(' ', '_')}_{key}" for gpu, key in RATIO_KEYS] + list(PRECISIONS)
            + [f"{p}_why" for p in PRECISIONS] + ["roofline_why", "seconds"])
 
@@ -62,6 +63,11 @@ def check_one(name: str, params: dict, max_params: float, step_budget: float) ->
         r = rows[f"step {p}"]
         out[p] = {True: "pass", False: "FAIL", None: "skipped"}[r["ok"]]
         out[f"{p}_why"] = "" if r["ok"] else r["detail"]
+    stepped = [rows[f"step {p}"] for p in PRECISIONS if rows[f"step {p}"]["ok"]]
+    # the activation meter after each step that ran (at two images the fp16 casts of the weights outweigh the
+    # activations, so its bytes say nothing of fp16's saving here: only that the meter follows the model)
+    out["activation_meter"] = ("not stepped" if not stepped else "measured" if all(
+        r.get("activation_bytes") for r in stepped) else "FAIL")
     return out
 
 
@@ -88,11 +94,16 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
                  + "".join(f"; not {r['model']}: {r['not_checked']}" for r in unchecked)
                  + f"; {n - len(unchecked) - len(needs_size)} take 32x32 as they are, {len(needs_size)} need "
                  "`model.input_size` (env_check names the size): "
-                 + ", ".join(f"{r['model']} ({r['input_fix'].split(':')[0]})" for r in needs_size))
+                 + ", ".join(f"{r['model']} ({r['input_fix'].split(' (')[0]})" for r in needs_size))
     lines.append(f"- roofline counted: {len(counted)} of {n}"
                  + "".join(f"; not {r['model']}: {r.get('roofline_why')}" for r in rows if not r["gflop_per_image"]))
     lines.append(f"- fp8 converts at least one layer in {sum(bool(r['fp8_layers']) for r in rows)} of {n} "
                  "(the rest would measure bf16)")
+    metered = [r["model"] for r in rows if r.get("activation_meter") == "measured"]
+    unmetered = [r["model"] for r in rows if r.get("activation_meter") == "FAIL"]
+    lines.append(f"- activation meter (bytes saved for backward, after every step that ran): {len(metered)} of {n}"
+                 + (f"; not measured: {', '.join(unmetered)}" if unmetered else ", the rest not stepped"
+                    if len(metered) < n else ""))
     for p in PRECISIONS:
         passed = sum(r[p] == "pass" for r in rows)
         skipped = [r["model"] for r in rows if r[p] == "skipped"]
@@ -106,8 +117,9 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
                                                             for m, why in skips.items()) + "."]
     lines += ["", "## Every model", "",
               "| model | params | input | GFLOP/img | fp8 converts | RTX 5090 fp16 / bf16 vs fp32 (vs tf32) "
-              "| H100 SXM fp16 / bf16 vs fp32 (vs tf32) | " + " | ".join(PRECISIONS) + " | s |",
-              "|---|---|---|---|---|---|---|" + "---|" * len(PRECISIONS) + "---|"]
+              "| H100 SXM fp16 / bf16 vs fp32 (vs tf32) | activation meter | " + " | ".join(PRECISIONS)
+              + " | s |",
+              "|---|---|---|---|---|---|---|---|" + "---|" * len(PRECISIONS) + "---|"]
     for r in rows:
         cells = []
         for gpu in conformance.ZOO_GPUS:
@@ -117,7 +129,8 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
         fp8 = f"{r['fp8_layers']} ({r['fp8_flop_share']:.0%})" if r["fp8_layers"] else "none"
         size = f"{r['input_size']}" + (" (set)" if r["input_fix"] else "")
         lines.append(f"| {r['model']} | {r['params_m']:,.1f}M | {size} | {_num(r['gflop_per_image'])} | {fp8} "
-                     f"| {' | '.join(cells)} | " + " | ".join(r[p] for p in PRECISIONS) + f" | {r['seconds']:.0f} |")
+                     f"| {' | '.join(cells)} | {r.get('activation_meter', 'n/a')} | "
+                     + " | ".join(r[p] for p in PRECISIONS) + f" | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -142,7 +155,7 @@ def main() -> None:
             row = {"model": name, "params_m": 0.0, "input_size": None, "input_fix": "", "not_checked": first_line(err),
                    "gflop_per_image": None, "fp8_layers": None, "fp8_flop_share": None, "seconds": 0.0,
                    **{p: "FAIL" for p in PRECISIONS}, **{f"{p}_why": first_line(err) for p in PRECISIONS},
-                   **{f"{g.replace(' ', '_')}_{k}": None for g, k in RATIO_KEYS}}
+                   **{f"{g.replace(' ', '_')}_{k}": None for g, k in RATIO_KEYS}, "activation_meter": "FAIL"}
         rows.append(row)
         gc.collect()
         done = time.perf_counter() - t0

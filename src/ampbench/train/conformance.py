@@ -5,9 +5,10 @@
 
 ``check_model(cfg)`` builds the model, finds the input size it takes, counts its roofline on meta tensors, lists
 what fp8 would convert, and runs one optimizer step per precision (the engine's own ``train_step``, on a tiny
-batch of random images, on the CPU unless a GPU is at hand), each part timed. The result is a list of rows:
-``{"check", "ok", "detail"}``, with ``ok`` None for a part that is information, not a pass or fail (the roofline
-and fp8 are analyses: a model they cannot follow still trains). ``benchmarks/zoo.py`` runs it over torchvision.
+batch of random images, on the CPU unless a GPU is at hand) with the activation meter after it, each part timed.
+The result is a list of rows: ``{"check", "ok", "detail"}``, with ``ok`` None for a part that is information, not
+a pass or fail (the roofline and fp8 are analyses: a model they cannot follow still trains).
+``benchmarks/zoo.py`` runs it over torchvision.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import time
 import torch
 
 from ampbench import config, data, models, runplan
-from ampbench.errors import first_line
+from ampbench.errors import analysis, first_line
 from ampbench.measure import roofline
 from ampbench.precision import CPU_FP8_RECIPES, float8_layers, spec
-from ampbench.train import setup, step
+from ampbench.train import probes, setup, step
 
 ZOO_GPUS = ("RTX 5090", "H100 SXM")  # the roofline's ratios are given on these (the article's card, a datacenter one)
 STEP_BATCH = 2  # images per checked step: the least a BatchNorm in training mode takes
@@ -60,8 +61,12 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
             " on a CPU, whose autocast lists differ from CUDA's: it runs in fp16 some ops CUDA autocast keeps in fp32 "
             "(F.normalize's norm: its eps of 1e-12 is 0 in fp16, so a zero vector gives 0/0); a GPU run tells"
             if emulated and spec(precision).autocast_dtype == torch.float16 else ""))
-    return {"loss": loss, "s": seconds,
-            "note": note + ("emulated on a CPU: it shows the step runs, not its speed; " if emulated else "")}
+    # the activation meter, as a train stage runs it (an analysis: its failure is said, the step still passed)
+    saved, why = analysis("activations", models.name(cfg.model), probes.activation_bytes, s.model, x, s.policy)
+    return {"loss": loss, "s": seconds, "activation_bytes": saved,
+            "note": note + ("emulated on a CPU: it shows the step runs, not its speed; " if emulated else ""),
+            "activations": f"activations {saved / 2**10:,.0f} KiB" if why is None else f"activations not measured "
+                                                                                       f"({why})"}
 
 
 def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device: str = "cpu",
@@ -142,7 +147,8 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
         if precision == "fp32":
             fp32_s = done["s"]
         row(check, True, f"{done['note']}loss {done['loss']:.3f}, step {done['s']:.2f} s (with setup "
-                         f"{total_s:.1f} s), batch {STEP_BATCH} at {size}x{size} on {dev.type}", s=done["s"])
+                         f"{total_s:.1f} s), batch {STEP_BATCH} at {size}x{size} on {dev.type}; {done['activations']}",
+            s=done["s"], activation_bytes=done["activation_bytes"])
     out["ok"] = all(r["ok"] is not False for r in rows)
     return out
 
