@@ -9,19 +9,21 @@ counted for the roofline (ratios of fp16 and bf16 against strict fp32 and tf32 o
 what fp8 converts listed, and one optimizer step per precision run on the CPU at a batch of two images, at the
 data's size or the smallest the model takes. A model's CPU steps are skipped when it has more than
 ``--max-params`` parameters, and the precisions after fp32 when fp32's step took longer than ``--step-budget``
-seconds; each skip is named in its row. Models run one after another in this process, each in its own try: one
-that fails is a row, never a stopped run.
+seconds; each skip is named in its row. Models run one after another, each in a process forked for it: one that
+fails (or runs out of memory) is a row, never a stopped run.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import gc
 import io
+import multiprocessing
 import platform
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
@@ -148,16 +150,19 @@ def main() -> None:
     params = yaml.safe_load(Path(args.params).read_text()) or {}
     names = [n for n in args.models.split(",") if n] or models.torchvision_names()
     rows, t0 = [], time.perf_counter()
+    fork = multiprocessing.get_context("fork")  # torch is imported here and has run nothing: a fork is safe
     for i, name in enumerate(names, 1):
-        try:
-            row = check_one(name, params, args.max_params, args.step_budget)
-        except Exception as err:  # the check itself failed: a row that says so
+        try:  # each model in a process of its own: what one leaves in memory does not add up over 80
+            with ProcessPoolExecutor(1, mp_context=fork) as pool:
+                row = pool.submit(check_one, name, params, args.max_params, args.step_budget).result()
+        except Exception as err:  # the check itself failed, or its process died (out of memory): a row that says so
+            if isinstance(err, BrokenProcessPool):
+                err = RuntimeError("the check's process died (out of memory?)")
             row = {"model": name, "params_m": 0.0, "input_size": None, "input_fix": "", "not_checked": first_line(err),
                    "gflop_per_image": None, "fp8_layers": None, "fp8_flop_share": None, "seconds": 0.0,
                    **{p: "FAIL" for p in PRECISIONS}, **{f"{p}_why": first_line(err) for p in PRECISIONS},
                    **{f"{g.replace(' ', '_')}_{k}": None for g, k in RATIO_KEYS}, "activation_meter": "FAIL"}
         rows.append(row)
-        gc.collect()
         done = time.perf_counter() - t0
         print(f"[zoo {i}/{len(names)}] {name}: " + " ".join(f"{p} {row[p]}" for p in PRECISIONS)
               + f" ({row['seconds']:.0f} s; {done / 60:.1f} min, ETA {done / i * (len(names) - i) / 60:.1f} min)",
