@@ -173,6 +173,12 @@ def _cuda_error(err: RuntimeError) -> bool:
     return isinstance(err, getattr(torch, "AcceleratorError", ())) or bool(LIBRARY_ERROR.search(str(err)))
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """Out of memory, as torch says it or a library (cuBLAS, cuDNN) reports it as its own error."""
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and bool(OUT_OF_MEMORY.search(str(err))))
+
+
 def fits(attempt: Callable[[int], object], free: Callable[[], None],
          notes: list[str] | None = None) -> Callable[[int], bool]:
     """``attempt`` turned into a yes/no, with the memory freed after each try: False on
@@ -181,14 +187,11 @@ def fits(attempt: Callable[[int], object], free: Callable[[], None],
     def check(batch: int) -> bool:
         try:
             attempt(batch)
-        except torch.cuda.OutOfMemoryError:
-            free()
-            return False
         except RuntimeError as err:
-            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-            if OUT_OF_MEMORY.search(str(err)):
+            if out_of_memory(err):
                 free()
                 return False
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
             if DOES_NOT_RUN.search(str(err)):
                 free()
                 if notes is not None:
@@ -301,8 +304,8 @@ def _measure(bench: Bench, batch: int, steps: int, key: str) -> dict:
     def attempt() -> dict:
         try:
             return {**bench.point(batch, steps), "key": key}
-        except RuntimeError as err:  # out of memory, as torch or a library (cuBLAS, cuDNN) says it
-            if not isinstance(err, torch.cuda.OutOfMemoryError) and not OUT_OF_MEMORY.search(str(err)):
+        except RuntimeError as err:
+            if not out_of_memory(err):
                 raise
             bench.free()
             return {"precision": bench.precision, "batch_size": batch, "oom": True, "key": key}
