@@ -1,9 +1,11 @@
 """Stage train@<variant>: train one variant with the shared engine; write its run files; log to MLflow.
 
-    torchrun --standalone --nproc-per-node 1 stages/train.py --plan reports/plans/amp.json --data data/prepared \
+    python stages/train.py --nproc-per-node 1 --plan reports/plans/amp.json --data data/prepared \
         --env reports/env.json --out reports/runs/amp --checkpoints checkpoints/amp
 
-(or ``python stages/train.py ...``: one process). Under torchrun with several
+With ``--nproc-per-node N`` over 1 it replaces itself with ``torchrun --standalone --nproc-per-node N
+stages/train.py ...`` (the same process, so a signal to it reaches torchrun); with 1 it trains in this process,
+without torchrun's own start-up and a second interpreter. Under torchrun with several
 processes, each trains on its slice of every batch (DDP) and rank 0 alone
 writes the run files, the checkpoints and the MLflow run; a variant with
 ``ddp: false`` trains on rank 0 alone while the other ranks exit at once.
@@ -15,6 +17,7 @@ results are on disk.
 
 import argparse
 import json
+import os
 import sys
 from contextlib import nullcontext
 from datetime import UTC, datetime
@@ -35,7 +38,14 @@ def main() -> None:
     ap.add_argument("--checkpoints", required=True, help="folder for this variant's checkpoints (kept until done)")
     ap.add_argument("--params", default="params.yaml", help="where the tracking settings (mlflow:) are read: "
                     "not part of the plan, so pointing at another tracking server retrains nothing")
+    ap.add_argument("--nproc-per-node", type=int, default=1,
+                    help="training processes (distributed.nproc_per_node): over 1, this runs itself under torchrun")
     args = ap.parse_args()
+    if args.nproc_per_node > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                  str(args.nproc_per_node), sys.argv[0], *sys.argv[1:]]
+        print("torchrun " + " ".join(launch[3:]), flush=True)
+        os.execv(sys.executable, launch)  # this process becomes torchrun: Ctrl-C and kills reach it as before
 
     plan = runplan.read_plan(args.plan)
     distributed.exit_with_launcher()

@@ -73,7 +73,7 @@ def _same_history(rows: list[list[str]], reference: list[list[str]]) -> bool:
 def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     from mlflow.tracking import MlflowClient
     repo, proc = ddp_pipeline
-    assert "torchrun --standalone --nproc-per-node 2 stages/train.py" in proc.stdout
+    assert "torchrun --standalone --nproc-per-node 2 stages/train.py --nproc-per-node 2" in proc.stdout
     metrics = {v: json.loads((repo / "reports" / "runs" / v / "metrics.json").read_text()) for v in DDP_VARIANTS}
     assert [metrics[v]["world_size"] for v in DDP_VARIANTS] == [2, 1, 2]
     assert metrics["amp_accum"]["grad_comm"] == "fp16" and metrics["amp_accum"]["micro_batch_size"] == 8
@@ -148,8 +148,7 @@ def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(ddp
 
     from ampbench import sandbox
     reference, _ = ddp_pipeline
-    torchrun = Path(sys.executable).parent / "torchrun"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(WORLD), "stages/train.py",
+    cmd = [sys.executable, "stages/train.py", "--nproc-per-node", str(WORLD),  # becomes torchrun, as dvc.yaml runs it
            "--plan", "reports/plans/fp32.json", "--data", "data/prepared", "--env", "reports/env.json",
            "--out", str(tmp_path / "out"), "--checkpoints", str(tmp_path / "ckpt")]
     proc = subprocess.Popen(cmd, cwd=reference, env=sandbox.env_with_venv(), stdout=subprocess.PIPE,

@@ -73,8 +73,10 @@ def test_a_real_folder_skips_and_names_what_it_cannot_use_the_same_way_in_every_
         assert torch.equal(resident[split][1], listed[split][1])
         assert torch.equal(resident[split][0], listed[split][0][list(range(len(listed[split][1])))])
     grey = Image.open(root / "ant" / "1.png").convert("RGB").resize((12, 12), Image.Resampling.BILINEAR)
-    assert torch.equal(data.folder.decode_image(root / "ant" / "1.png", 12),
-                       torch.as_tensor(np.array(grey)).permute(2, 0, 1))
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+    from torchvision.transforms.functional import pil_to_tensor
+    assert torch.equal(data.folder.decode_image(root / "ant" / "1.png", 12), pil_to_tensor(grey))
+    assert (*IMG_EXTENSIONS, ".gif") == data.folder.IMG_EXTENSIONS  # ImageFolder's, and GIF
     with pytest.raises(DataError, match="for streaming"):
         data.load_prepared(tmp_path / "f", "cpu")  # a listed folder is for streaming only
 

@@ -16,7 +16,6 @@ from urllib.parse import urlparse
 from urllib.request import url2pathname
 
 import torch
-from torchvision.datasets.utils import check_integrity, download_url, extract_archive
 
 from ampbench.config import DataConfig
 from ampbench.errors import ConfigError, DataError
@@ -84,6 +83,8 @@ def fetch(cfg: DataConfig, raw_dir: Path) -> Path:
 
     A download that fails its checksum is deleted and fetched once more.
     """
+    from torchvision.datasets.utils import check_integrity, download_url  # a CIFAR run alone pays torchvision's import
+
     fmt, url, md5 = FORMATS[cfg.source], source_url(cfg), source_md5(cfg)
     if cfg.archive:
         path = Path(cfg.archive)
@@ -139,6 +140,7 @@ def read_archive(source: str, archive: Path, workdir: Path) -> dict[str, tuple[t
     fmt = FORMATS[source]
     workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
+        from torchvision.datasets.utils import extract_archive
         extract_archive(str(archive), tmp)
         folder = Path(tmp) / fmt.folder
         return {"train": _read_batches(fmt, folder, fmt.train), "test": _read_batches(fmt, folder, fmt.test)}

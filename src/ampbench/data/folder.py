@@ -26,18 +26,19 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import PIL
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-from torchvision.datasets.folder import IMG_EXTENSIONS as TORCHVISION_EXTENSIONS
-from torchvision.transforms.functional import pil_to_tensor
 from tqdm import tqdm
 
 from ampbench.config import DataConfig
 from ampbench.errors import ConfigError, DataError
 
-IMG_EXTENSIONS = (*TORCHVISION_EXTENSIONS, ".gif")  # ImageFolder's, and GIF (its first frame), which PIL reads
+# ImageFolder's (torchvision.datasets.folder.IMG_EXTENSIONS: a test keeps them equal, without importing torchvision
+# here) and GIF (its first frame), which PIL reads
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 LAYOUT = "path/<class>/<image>.png, or path/train/<class>/... with path/test/<class>/..."
 SUBSETS_TEST = False  # data.test_size is the hold-out count of a folder without splits, not a subset
 NAMED = 10  # bad files named in a message; the rest are counted (all of them are listed in data_source.json)
@@ -115,7 +116,7 @@ def decode_image(path: Path, size: int) -> torch.Tensor:
             im = im.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
     except Exception as err:  # PIL raises OSError mostly, but also ValueError, EOFError, struct.error, ...
         raise BadImage(str(err) or type(err).__name__) from None
-    return pil_to_tensor(im)
+    return torch.from_numpy(np.array(im, copy=True)).permute(2, 0, 1)  # torchvision's pil_to_tensor for RGB
 
 
 def header_problem(path: Path) -> str | None:

@@ -24,8 +24,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torchvision
-import torchvision.models
 from torch import nn
 
 from ampbench.config import DistributedConfig, ModelConfig
@@ -50,6 +48,7 @@ __all__ = ["ARCHS", "NO_AUX", "build", "build_meta", "check", "describe", "input
 
 def torchvision_names() -> list[str]:
     """torchvision's classification models (not detection, segmentation or video ones)."""
+    import torchvision.models  # imported where used: a second or two that a small_cnn run need not pay
     return torchvision.models.list_models(module=torchvision.models)
 
 
@@ -104,6 +103,7 @@ def _builder(cfg: ModelConfig) -> Callable[[int, int], nn.Module]:
             raise ConfigError(f"params.yaml: model.arch = {cfg.arch!r}: torchvision has no classification model "
                               f"{tv_name!r}; use one of torchvision.models.list_models(), e.g. {some}")
         extra = NO_AUX.get(tv_name, {})
+        import torchvision.models
         return lambda num_classes, image_size: torchvision.models.get_model(tv_name, weights=None,
                                                                             num_classes=num_classes, **extra)
     if cfg.arch == "vit_tiny":
@@ -230,8 +230,11 @@ def describe(model: nn.Module, cfg: ModelConfig) -> dict:
 def source_record(cfg: ModelConfig) -> dict:
     """What the model's code is, for results that depend on it (the sweep's points): the factory's source hash,
     or torchvision's version for a ``tv:`` model; a built-in model's source is ampbench's own."""
+    tv = cfg.arch.startswith(TV_PREFIX) and not cfg.factory
+    if tv:
+        import torchvision
     return {"model": name(cfg), "factory_source": source_hash(cfg),
-            "torchvision": torchvision.__version__ if cfg.arch.startswith(TV_PREFIX) and not cfg.factory else None}
+            "torchvision": torchvision.__version__ if tv else None}
 
 
 def source_hash(cfg: ModelConfig, root: Path | None = None) -> str:

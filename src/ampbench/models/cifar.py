@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from torch import nn
-from torchvision.models import resnet18
 
 
 def resnet18_cifar(num_classes: int = 10) -> nn.Module:
@@ -12,6 +11,7 @@ def resnet18_cifar(num_classes: int = 10) -> nn.Module:
     The ImageNet stem (7x7 stride 2, then max-pool) would shrink a 32x32 image
     to 8x8 before the first block.
     """
+    from torchvision.models import resnet18  # imported here: the small CNN alone needs no torchvision
     model = resnet18(num_classes=num_classes)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     model.maxpool = nn.Identity()
