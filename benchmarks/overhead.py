@@ -111,12 +111,19 @@ def main() -> None:
     print(f"{'round':>5} {'article':>8} {'fastest':>8} {'ampbench':>9} {'/article':>8} {'/fastest':>8} {'data':>6} "
           f"{'+augment':>9} {'/fastest':>8}   (img/s; data = share of the engine's step time)")
     vs_article, vs_fast, aug_vs_fast, shares, aug_shares = [], [], [], [], []
-    for r in range(args.rounds):  # alternating, so drifts in clock speed hit every loop alike
-        article = plain_loop(args.arch, x_float, y.cpu(), args.batch, args.precision, args.device, args.warmup,
-                             seed=r)
-        fast = fastest_loop(args.arch, x_float, y, args.batch, args.precision, args.device, args.warmup, seed=r)
-        same = runner.train(plan(False), prepared, progress=False).metrics
-        aug = runner.train(plan(True), prepared, progress=False).metrics
+    loops = {
+        "article": lambda r: plain_loop(args.arch, x_float, y.cpu(), args.batch, args.precision, args.device,
+                                        args.warmup, seed=r),
+        "fast": lambda r: fastest_loop(args.arch, x_float, y, args.batch, args.precision, args.device, args.warmup,
+                                       seed=r),
+        "same": lambda r: runner.train(plan(False), prepared, progress=False).metrics,
+        "aug": lambda r: runner.train(plan(True), prepared, progress=False).metrics}
+    for r in range(args.rounds):
+        # each round starts with another loop (round 1: article, fast, same, aug; round 2: fast, same, aug, article;
+        # ...), so a drift in clock speed over a round (a turbo budget, a neighbour) favours none of them
+        order = list(loops)[r % len(loops):] + list(loops)[:r % len(loops)]
+        got = {name: loops[name](r) for name in order}
+        article, fast, same, aug = got["article"], got["fast"], got["same"], got["aug"]
         vs_article.append(same["imgs_per_s"] / article)
         vs_fast.append(same["imgs_per_s"] / fast)
         aug_vs_fast.append(aug["imgs_per_s"] / fast)

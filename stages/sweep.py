@@ -45,6 +45,9 @@ def main() -> None:
     model_source = json.loads(Path(args.model_source).read_text())
     result = sweep.run_sweep(cfg, prepared, device, out, env.fingerprint(info), model_source)
     failed = f", {len(result['not_made'])} could not be made (the report says why)" if result["not_made"] else ""
+    if result["left_out"]:
+        failed += (f", {len(result['left_out'])} left out (over sweep.cpu_point_budget_s = "
+                   f"{result['cpu_point_budget_s']:g} s on this CPU)")
     print(f"sweep: {result['measured_points']} point(s) measured, {result['reused_points']} reused{failed} -> {out}")
 
 

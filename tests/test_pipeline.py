@@ -63,6 +63,9 @@ def test_every_declared_output_exists(pipeline):
     md_lines = md.splitlines()
     assert md_lines[2].startswith("On this CPU") and "FP16-AMP" in md_lines[2]  # the verdict comes first
     assert "## Numerical safety" in md and "fp16 numerics audit of `amp`" in md
+    tf32 = json.loads((r / "runs" / "tf32" / "metrics.json").read_text())
+    assert tf32["tf32"]["matmul_fp32_precision"] == "tf32" and "on a CPU tf32 is fp32" in md
+    assert "Against each rung of the ladder: tf32 " in md_lines[2] and "; amp (fp16) " in md_lines[2]
     assert "## Why: the step profile" in md and "| conv/matmul |" in md and "The step profile (amp against fp32" in md
     for v in VARIANTS:  # the profile: in metrics.json, and its trace as a run file
         assert json.loads((r / "runs" / v / "metrics.json").read_text())["profile"]["categories"]["conv/matmul"]

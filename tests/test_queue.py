@@ -30,7 +30,8 @@ def test_queued_experiments_log_to_the_repository_store_and_skip_unchanged_stage
     from tests.conftest import SHRINK
     params = sandbox.merge(copy.deepcopy(yaml.safe_load((REPO_ROOT / "params.yaml").read_text())), SHRINK)
     params = sandbox.merge(params, {"data": {"train_size": 64, "test_size": 32}, "amp": {"audit_batches": 0},
-                                    "profile": {"steps": 0}, "sweep": {"enabled": False}})
+                                    "profile": {"steps": 0}, "sweep": {"enabled": False},
+                                    "mlflow": {"log_model": False}})
     params["variants"] = {"fp32": {"precision": "fp32"}, "amp": {"precision": "fp16"}}
     repo = sandbox.create(tmp_path / "repo", params)
     first = _dvc(repo, "repro")

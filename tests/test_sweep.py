@@ -250,3 +250,37 @@ def test_the_sweep_builds_its_model_as_training_does_with_cudnn_autotuning_on_a_
     monkeypatch.setattr(torch.backends.cudnn, "benchmark", False)
     real_build(built[0], prepared["meta"], torch.device("cuda"))
     assert torch.backends.cudnn.benchmark is True
+
+
+def test_a_cpu_sweep_leaves_out_the_points_over_its_budget_and_says_why(tmp_path, tiny_params, capsys):
+    """sweep.cpu_point_budget_s: after a point, a larger batch whose expected time (the last point's time per image)
+    is over the budget is left out with every larger one of its precision, named in sweep.json and the report; a
+    GPU measures every point, and 0 is no limit."""
+    from ampbench import config, data
+    from ampbench.report import scale, summary
+
+    tiny_params["sweep"] = {"batch_sizes": [16, 8, 4, 32], "steps": 1, "precisions": ["fp32"], "find_max": False,
+                            "cpu_point_budget_s": 1e-6}
+    prepared = data.synthetic_in_memory(64, 16, 0, "cpu")
+    result = sweep.run_sweep(config.from_dict(tiny_params), prepared, torch.device("cpu"), tmp_path, "env", {})
+    assert [p["batch_size"] for p in result["points"]] == [4]  # the smallest first, then no more
+    assert [(p["precision"], p["batch_size"]) for p in result["left_out"]] == [("fp32", b) for b in (8, 16, 32)]
+    assert all("over sweep.cpu_point_budget_s = 1e-06 s on a CPU (batch 4 took" in p["why"]
+               for p in result["left_out"])
+    assert "[sweep fp32] batch 8: left out, over sweep.cpu_point_budget_s" in capsys.readouterr().out
+    lines = scale.sweep(summary.summarize({}, sweep_json=json.loads((tmp_path / "sweep.json").read_text())), {}, {})
+    assert sum(line.startswith("Left out: fp32 at batch ") for line in lines) == 3, lines
+
+    budget = sweep.PointBudget(config.from_dict(tiny_params), torch.device("cuda"))
+    budget.took({"batch_size": 4, "seconds": 100.0})
+    assert budget.over(1024) is None  # a GPU runs every point
+    tiny_params["sweep"]["cpu_point_budget_s"] = 20
+    budget = sweep.PointBudget(config.from_dict(tiny_params), torch.device("cpu"))
+    assert budget.over(32) is None  # nothing measured yet
+    budget.took({"batch_size": 32, "seconds": 4.0})
+    assert budget.over(64) is None and budget.over(128) is None  # about 8 and 16 s
+    assert "batch 256 would take about 32 s" in budget.over(256) and budget.over(512) == budget.over(256)
+    tiny_params["sweep"]["cpu_point_budget_s"] = 0
+    budget = sweep.PointBudget(config.from_dict(tiny_params), torch.device("cpu"))
+    budget.took({"batch_size": 4, "seconds": 100.0})
+    assert budget.over(1024) is None  # no limit

@@ -124,7 +124,7 @@ def test_two_machines_log_to_one_postgres_backed_server_and_compare(server, tmp_
     params = sandbox.merge(copy.deepcopy(yaml.safe_load((REPO_ROOT / "params.yaml").read_text())), SHRINK)
     params = sandbox.merge(params, {"data": {"train_size": 64, "test_size": 32}, "amp": {"audit_batches": 0},
                                     "profile": {"steps": 0}, "sweep": {"enabled": False},
-                                    "mlflow": {"experiment": "team"}})
+                                    "mlflow": {"experiment": "team", "log_model": False}})
     params["variants"] = {"fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"}}
     for name, machine in MACHINES.items():
         repo = sandbox.create(tmp_path / name, params)

@@ -167,15 +167,15 @@ def test_the_zoo_benchmark_writes_its_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_models_of_the_table_train_through_dvc_repro(tmp_path):
-    """GoogLeNet (auxiliary heads) and SqueezeNet 1.0 (biased convolutions, which stopped the roofline) train through
-    a shrunk pipeline with every analysis made (the sweep and the LoggedModel: the small CNN's pipeline test and the
-    zoo benchmark; a model that stops in env_check: test_models and test_the_input_size_...)."""
+def test_a_model_of_the_table_trains_through_dvc_repro(tmp_path):
+    """GoogLeNet (auxiliary heads, which stopped the pipeline) trains through a shrunk pipeline with every analysis
+    made (the sweep and the LoggedModel: the small CNN's pipeline test and the zoo benchmark; SqueezeNet's biased
+    convolutions, which stopped the roofline: test_check_model_over_the_families[squeezenet1_1]; a model that stops
+    in env_check: test_models and test_the_input_size_...)."""
     out = tmp_path / "zoo_pipeline"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "zoo_pipeline.py"), "--models",
-                           "tv:googlenet,tv:squeezenet1_0", "--out", str(out), "--set", "sweep.enabled=false",
+                           "tv:googlenet", "--out", str(out), "--set", "sweep.enabled=false",
                            "--set", "mlflow.log_model=false"], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     md = out.with_suffix(".md").read_text()
     assert "| tv:googlenet | trained | every analysis made |" in md, md
-    assert "| tv:squeezenet1_0 | trained | every analysis made |" in md, md

@@ -114,6 +114,9 @@ class SweepConfig:
     precisions: tuple[str, ...] = _opt((), choices=PRECISIONS)  # precisions to sweep; () = those of the variants
     find_max: bool = True         # the largest batch that fits: searched on CUDA, estimated on a CPU
     memory_limit_gib: float = _opt(0.0, lo=0)  # cap the process's GPU memory, e.g. 24 for a 24 GB card (0 = all)
+    # on a CPU, a point is left out (with the larger batches of its precision) when the last point's time per
+    # image says it would take longer than this; a GPU measures every point (0 = no limit)
+    cpu_point_budget_s: float = _opt(20.0, lo=0)
 
 
 @dataclass(frozen=True)

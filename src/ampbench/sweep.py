@@ -296,6 +296,32 @@ def find_max(bench: Bench, points: list[dict], cfg: Config, dataset_bytes: int) 
             "bytes_per_image": per_image, "fixed_bytes": fixed, "limit_bytes": limit, "limit": what}
 
 
+class PointBudget:
+    """On a CPU, where a sweep point's time grows with its batch into minutes (a ViT at batch 1024), the points
+    ``sweep.cpu_point_budget_s`` leaves out: a batch is left out, with every larger one of its precision, once the
+    last point's time per image says it would take longer than the budget. A GPU measures every point."""
+
+    def __init__(self, cfg: Config, device: torch.device):
+        self.budget = cfg.sweep.cpu_point_budget_s if device.type == "cpu" else 0.0
+        self.last: tuple[int, float] | None = None  # (batch, seconds) of the last point with its time
+        self.stopped: str | None = None
+
+    def took(self, point: dict) -> None:
+        if point.get("seconds") and not point.get("oom"):
+            self.last = (point["batch_size"], point["seconds"])
+
+    def over(self, batch: int) -> str | None:
+        """Why ``batch`` is left out, or None to measure it."""
+        if self.stopped or not self.budget or self.last is None:
+            return self.stopped
+        b, seconds = self.last
+        expected = seconds * batch / b
+        if expected > self.budget:
+            self.stopped = (f"over sweep.cpu_point_budget_s = {self.budget:g} s on a CPU (batch {b} took "
+                            f"{seconds:.1f} s: batch {batch} would take about {expected:.0f} s)")
+        return self.stopped
+
+
 def _measure(bench: Bench, batch: int, steps: int, key: str) -> dict:
     """One point, printed as it is measured; an out-of-memory batch is a point too, and a point that fails
     otherwise is one warning and a point with its ``error`` (not stored: it is tried again next time)."""
@@ -314,6 +340,7 @@ def _measure(bench: Bench, batch: int, steps: int, key: str) -> dict:
     point, why = analysis("sweep", f"{models.name(bench.cfg.model)} ({bench.precision}, batch {batch})", attempt)
     if why:
         return {"precision": bench.precision, "batch_size": batch, "error": why}
+    point["seconds"] = round(time.perf_counter() - t0, 3)  # the point's own time: what the CPU budget reads
     mem = (f"peak {point.get('peak_mem_bytes', 0) / 2**20:,.0f} MiB" if bench.device.type == "cuda"
            else f"activations {point.get('activation_bytes', 0) / 2**20:,.1f} MiB")
     what = "out of memory" if point.get("oom") else f"{point['imgs_per_s']:,.0f} img/s, {mem}"
@@ -335,6 +362,7 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
         known_max = {}
     precisions = sweep_precisions(cfg)
     failed = []  # points (and largest-batch searches) that could not be made, with why
+    left_out = []  # points a CPU would take longer than sweep.cpu_point_budget_s over, with why
     for precision in precisions:
         wanted.update(f"{precision}-{batch}.json" for batch in cfg.sweep.batch_sizes)  # kept, even if this fails
         bench, why = analysis("sweep", f"{models.name(cfg.model)} ({precision}: its setup)", Bench, cfg, prepared,
@@ -342,13 +370,17 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
         if bench is None:
             failed += [{"precision": precision, "batch_size": b, "error": why} for b in cfg.sweep.batch_sizes]
             continue
-        points = []
-        for batch in cfg.sweep.batch_sizes:
+        points, budget = [], PointBudget(cfg, device)
+        for batch in sorted(cfg.sweep.batch_sizes):
             path = points_dir / f"{precision}-{batch}.json"
             key = point_key(cfg, precision, batch, prepared["meta"], env_fingerprint, model_source, code)
             old = json.loads(path.read_text()) if path.is_file() else {}
             if old.get("key") == key:
                 point, reused = old, reused + 1
+            elif (why := budget.over(batch)) is not None:
+                left_out.append({"precision": precision, "batch_size": batch, "why": why})
+                print(f"[sweep {precision}] batch {batch}: left out, {why}", flush=True)
+                continue
             else:
                 point = _measure(bench, batch, cfg.sweep.steps, key)
                 if point.get("error"):
@@ -356,6 +388,7 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
                     continue
                 write_json(path, point)
             points.append(point)
+            budget.took(point)
             spread = point.get("imgs_per_s_p10_p90") or [None, None]
             rows.append({"variant": precision, **{k: point.get(k) for k in SWEEP_COLUMNS[1:] if k in point},
                          "imgs_per_s_p10": spread[0], "imgs_per_s_p90": spread[1], "oom": bool(point.get("oom"))})
@@ -380,7 +413,8 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
     result = {"enabled": True, "device": device.type, "precisions": list(precisions),
               "batch_sizes": list(cfg.sweep.batch_sizes), "steps": cfg.sweep.steps, "warmup": WARMUP, "points": rows,
               "largest": largest, "reused_points": reused, "measured_points": len(rows) - reused,
-              "not_made": failed}
+              "not_made": failed, "left_out": left_out,
+              "cpu_point_budget_s": cfg.sweep.cpu_point_budget_s if device.type == "cpu" else None}
     write_json(out / "max.json", largest)
     atomic_write(out / "sweep.csv", csv_text(rows, SWEEP_COLUMNS))
     write_json(out / "sweep.json", result)

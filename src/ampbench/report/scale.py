@@ -41,6 +41,10 @@ def sweep(summary: dict, env: dict, runs: dict) -> list[str]:
     out.append("")
     out += [f"Could not be made: {p['precision']} at batch {p['batch_size']} ({p['error']})." for p in s["not_made"]]
     out += [""] if s["not_made"] else []
+    if s["left_out"]:  # the CPU budget: the batches a CPU would have taken minutes over, each named
+        out += [f"Left out: {p['precision']} at batch {p['batch_size']}, {p['why']}." for p in s["left_out"]]
+        out += ["", "Raise sweep.cpu_point_budget_s (or set it to 0) to measure them on this CPU; a GPU measures "
+                "every point.", ""]
     if not s["largest"]:
         return out
     out += ["Largest batch that fits:", "", "| precision | largest batch | vs fp32 | how | limit |",

@@ -206,7 +206,7 @@ def sweep(found: dict | None) -> dict | None:
     return {"device": found["device"], "steps": found["steps"], "warmup": found["warmup"], "points": by_prec,
             "largest": largest,
             "reused_points": found.get("reused_points"), "measured_points": found.get("measured_points"),
-            "not_made": found.get("not_made") or []}
+            "not_made": found.get("not_made") or [], "left_out": found.get("left_out") or []}
 
 
 def sweep_memory(point: dict, device: str) -> int | None:
