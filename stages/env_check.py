@@ -122,7 +122,11 @@ def main() -> None:
           + (f", {workers} DataLoader worker(s) per process" if placement == "stream" else ""))
 
     # an estimate around training: a model the counter cannot follow still trains, and the report says why
-    counted, not_counted = analysis("roofline", model["model"], roofline.record, cfg, gpu["name"] if gpu else None)
+    # counted once per model and params: kept in DVC's temporary folder, which git and DVC ignore
+    cache = Path(os.environ["DVC_ROOT"]) / ".dvc" / "tmp" / "ampbench" if os.environ.get("DVC_ROOT") else None
+    counted, not_counted = analysis("roofline", model["model"], roofline.record_cached, cfg,
+                                    gpu["name"] if gpu else None,
+                                    {k: desc[k] for k in ("num_classes", "image_size")}, cache)
     counted = counted or {"error": not_counted}
     if fp8:
         counted["fp8"] = fp8

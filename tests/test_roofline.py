@@ -278,3 +278,24 @@ def test_roofline_command_prints_every_gpu_and_refuses_a_bad_name(tmp_path):
     assert "| RTX 5090 |" in out.stdout and "| H100 SXM |" in out.stdout and "What a roofline is" in out.stdout
     bad = subprocess.run(run + ["--gpu", "RTX 9999"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "close:" in bad.stderr
+
+
+def test_env_check_counts_a_model_once_per_params_and_again_when_they_change(tmp_path, monkeypatch):
+    """record_cached: the same params give the stored count without counting; a changed batch, model or GPU name
+    counts again; without a folder nothing is stored."""
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "data": {"source": "synthetic"},
+                            "train": {"batch_size": 16}})
+    shape = {"num_classes": 10, "image_size": 32}
+    counts = []
+    monkeypatch.setattr(roofline, "record", lambda c, g: counts.append((c.train.batch_size, g)) or
+                        {"batch": c.train.batch_size, "flops": 1.5e9, "gpu": g})  # the count itself: tests above
+    first = roofline.record_cached(cfg, None, shape, tmp_path)
+    assert roofline.record_cached(cfg, None, shape, tmp_path) == first and counts == [(16, None)]
+    other = config.from_dict({**config.to_dict(cfg), "train": {**config.to_dict(cfg)["train"], "batch_size": 32}})
+    assert roofline.record_cached(other, None, shape, tmp_path)["batch"] == 32
+    roofline.record_cached(cfg, "NVIDIA H100 80GB HBM3", shape, tmp_path)
+    roofline.record_cached(cfg, None, {**shape, "num_classes": 100}, tmp_path)
+    assert counts == [(16, None), (32, None), (16, "NVIDIA H100 80GB HBM3"), (16, None)]
+    assert len(list(tmp_path.glob("roofline-*.json"))) == 4
+    roofline.record_cached(cfg, None, shape, None)
+    assert len(counts) == 5 and len(list(tmp_path.glob("roofline-*.json"))) == 4

@@ -471,3 +471,37 @@ def record(cfg, gpu_name: str | None) -> dict:
     ratio = table({p: ops[p] for p in ("fp32", "fp16")}, find_gpu(ARTICLE_GPU), 256)["fp16"]["vs_fp32"]
     out["article"] = {"gpu": ARTICLE_GPU, "model": "resnet18", "batch": 256, "fp16_vs_fp32": ratio}
     return out
+
+
+def record_cached(cfg, gpu_name: str | None, shape: dict, folder) -> dict:
+    """``record``, kept in ``folder`` (None: no cache) under a key of everything it depends on: the model (a
+    factory's source too), the data's classes and image size (``shape``), the train section, the precisions the
+    variants train in and the fp8 recipe, the GPU's name, torch, and this counter's code. env_check runs on every
+    `dvc repro`, and counting a model on every run costs seconds that give the same answer."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from ampbench import config, models, runplan
+    from ampbench.env import source_digest, source_files
+    from ampbench.results import atomic_write
+
+    if folder is None:
+        return record(cfg, gpu_name)
+    here = Path(__file__).resolve()
+    key = hashlib.sha256(json.dumps({
+        "model": config.to_dict(cfg.model), "model_source": models.source_hash(cfg.model), "shape": shape,
+        "train": config.to_dict(cfg.train), "precisions": sorted({v.precision for v in cfg.variants.values()}),
+        "fp8_recipe": runplan.fp8_recipe(cfg), "gpu": gpu_name, "torch": torch.__version__,
+        "code": source_digest(source_files(here) + [here])}, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    path = Path(folder) / f"roofline-{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        pass
+    out = record(cfg, gpu_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps(out, sort_keys=True))
+    for old in sorted(path.parent.glob("roofline-*.json"), key=lambda p: p.stat().st_mtime)[:-8]:
+        old.unlink(missing_ok=True)  # the last 8 counts are kept
+    return out
