@@ -32,21 +32,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-# Modules whose tests share a module-scoped sandbox or model: each runs on one worker (--dist loadgroup), so the
-# sandbox is built once; every other test goes to whichever worker is free.
-SHARED = {"test_analyses", "test_ddp_pipeline", "test_numerics", "test_optimizers", "test_pipeline",
-          "test_precision_engine", "test_profile", "test_resume", "test_roofline", "test_team"}
 
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if skip and "requires_cuda" in item.keywords:
-            item.add_marker(skip)
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module in SHARED:
-            item.add_marker(pytest.mark.xdist_group(module))
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        for item in items:
+            if "requires_cuda" in item.keywords:
+                item.add_marker(skip)
 
 
 @pytest.fixture
