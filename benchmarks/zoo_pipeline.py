@@ -34,8 +34,12 @@ SHRUNK = {"device": "cpu", "data": {"source": "synthetic", "train_size": 64, "te
 
 
 def params_for(arch: str, overrides: dict | None = None) -> dict:
+    """The committed params.yaml shrunk, with ``model.arch`` and the overrides (``variants`` replaced whole)."""
     base = yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())
-    return sandbox.merge(sandbox.merge(copy.deepcopy(base), {**SHRUNK, "model": {"arch": arch}}), overrides or {})
+    params = sandbox.merge(sandbox.merge(copy.deepcopy(base), {**SHRUNK, "model": {"arch": arch}}), overrides or {})
+    if overrides and "variants" in overrides:
+        params["variants"] = overrides["variants"]
+    return params
 
 
 def parse_set(items: list[str]) -> dict:

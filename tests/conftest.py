@@ -33,12 +33,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+# The files with the longest tests (real `dvc repro` runs, servers), longest first: the two workers start on them,
+# so the short files fill the gaps instead of one long file running alone at the end.
+LONGEST_FIRST = ("test_zoo", "test_queue", "test_pipeline", "test_ddp_pipeline", "test_team", "test_resume",
+                 "test_folder_stream", "test_tracking", "test_fp8", "test_sweep", "test_analyses", "test_models")
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs a CUDA GPU")
         for item in items:
             if "requires_cuda" in item.keywords:
                 item.add_marker(skip)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable otherwise
 
 
 @pytest.fixture

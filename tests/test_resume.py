@@ -114,7 +114,7 @@ def test_killed_dvc_repro_resumes_from_the_persisted_checkpoint(tmp_path):
     params = sandbox.merge(yaml.safe_load((REPO_ROOT / "params.yaml").read_text()), {
         "device": "cpu", "data": {"source": "synthetic", "train_size": 4096, "test_size": 128},
         "model": {"arch": "small_cnn"}, "train": {"epochs": 4, "batch_size": 64, "warmup_steps": 2},
-        "mlflow": {"enabled": False}})
+        "mlflow": {"enabled": False}, "sweep": {"enabled": False}, "profile": {"steps": 0}})  # lean: resume alone
     params["variants"] = {"fp32": {"precision": "fp32", "accum_steps": 1}}
     repo = sandbox.create(tmp_path / "repo", params)
     cmd = [sys.executable, "-m", "dvc", "repro"]
