@@ -122,8 +122,8 @@ def main() -> None:
           + (f", {workers} DataLoader worker(s) per process" if placement == "stream" else ""))
 
     # an estimate around training: a model the counter cannot follow still trains, and the report says why
-    # counted once per model and params: kept in DVC's temporary folder, which git and DVC ignore
-    cache = Path(os.environ["DVC_ROOT"]) / ".dvc" / "tmp" / "ampbench" if os.environ.get("DVC_ROOT") else None
+    # counted once per model and params on this machine: kept in the user's cache folder ($XDG_CACHE_HOME/ampbench)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ampbench"
     counted, not_counted = analysis("roofline", model["model"], roofline.record_cached, cfg,
                                     gpu["name"] if gpu else None,
                                     {k: desc[k] for k in ("num_classes", "image_size")}, cache)

@@ -8,6 +8,7 @@ import io
 import os
 import pickle
 import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,11 @@ SHRINK = {
     "sweep": {"batch_sizes": [8, 16], "steps": 2},
 }
 
+
+# One roofline cache for the session's processes (env_check keeps its counts in $XDG_CACHE_HOME/ampbench): the
+# workers of one run share it, the user's own cache is never touched.
+os.environ["XDG_CACHE_HOME"] = str(Path(tempfile.gettempdir()) / "ampbench-tests" /
+                                   os.environ.get("PYTEST_XDIST_TESTRUNUID", str(os.getpid())))
 
 # Under pytest-xdist (make test runs two workers): one torch thread per worker and per process a test starts, so
 # the two workers share the two cores instead of fighting over them.

@@ -111,7 +111,8 @@ def test_sigkill_of_the_torchrun_group_then_dvc_repro_resumes_to_the_same_result
 
     from ampbench import sandbox
     reference, _ = ddp_pipeline
-    repo = sandbox.create(tmp_path / "repo", _ddp_params({"fp32": DDP_VARIANTS["fp32"]}))
+    params = {**_ddp_params({"fp32": DDP_VARIANTS["fp32"]}), "mlflow": {"enabled": False}}  # resume alone
+    repo = sandbox.create(tmp_path / "repo", params)
     proc = subprocess.Popen([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=sandbox.env_with_venv(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     ckpt = repo / "checkpoints" / "fp32" / "repeat1" / "last.pt"

@@ -193,6 +193,7 @@ def test_training_a_torchvision_model_at_a_larger_input(tmp_path, tiny_params):
     """Everything downstream works for a tv: model fed resized images: metrics name it and count its parameters."""
     tiny_params["model"] = {"arch": "tv:resnet18", "input_size": 48}
     tiny_params["data"]["train_size"] = 32
+    tiny_params["profile"] = {"steps": 0}  # the step profile: test_profile; a tv: model through dvc repro: test_zoo
     cfg = config.from_dict(tiny_params)
     data.prepare(cfg.data, 0, tmp_path / "p", tmp_path / "raw")
     prepared = data.load_prepared(tmp_path / "p", "cpu")
