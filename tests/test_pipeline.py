@@ -224,6 +224,7 @@ def test_a_custom_factory_reruns_the_train_stages_when_its_file_changes(tmp_path
                           "amp": {"precision": "fp16", "accum_steps": 1}}
     params["mlflow"]["enabled"] = False
     params["amp"]["audit_batches"] = 0
+    params["profile"]["steps"] = 0  # lean: the rerun is the subject
     repo = tmp_path_factory.mktemp("factory")
     (repo / "mymodels").mkdir()
     (repo / "mymodels" / "__init__.py").write_text("")
