@@ -38,12 +38,12 @@ def main() -> None:
 
     import torch
 
-    from ampbench import data, env, sweep
+    from ampbench import data, env, results, sweep
     info = json.loads(Path(args.env).read_text())
     device = torch.device(env.resolve_device(cfg.device, info, set(config.sweep_precisions(cfg))))
     prepared = data.load_prepared(Path(args.data), device, stream=True)  # a point reads only the images it uses
     model_source = json.loads(Path(args.model_source).read_text())
-    result = sweep.run_sweep(cfg, prepared, device, out, env.fingerprint(info), model_source)
+    result = sweep.run_sweep(cfg, prepared, device, out, results.fingerprint(info), model_source)
     failed = f", {len(result['not_made'])} could not be made (the report says why)" if result["not_made"] else ""
     if result["left_out"]:
         failed += (f", {len(result['left_out'])} left out (over sweep.cpu_point_budget_s = "

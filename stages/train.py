@@ -23,7 +23,7 @@ from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
-from ampbench import config, data, env, models, results, runplan
+from ampbench import config, data, models, results, runplan
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.measure import sysmon
 from ampbench.train import checkpoint, distributed, metrics, runner
@@ -92,13 +92,13 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
 def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path, plans_dir: Path,
          env_path: Path, params: str = "params.yaml", prepared_meta: dict | None = None) -> None:
     """Write the run's files, then log them to MLflow: results are on disk first, tracking only adds."""
-    result.metrics["git_commit"] = env.git_commit()
+    result.metrics["git_commit"] = results.git_commit()
     result.metrics["finished_at"] = datetime.now(UTC).isoformat(timespec="milliseconds")
     result.metrics["command"] = " ".join(sys.argv)  # the stage's command line: the MLflow run's source
     # rank 0's GPU: median SM clock, temperature and power over the stage, energy per image (its power over its
     # own share of the throughput)
     result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s_per_process")))
-    result.metrics["env_fingerprint"] = env.fingerprint(info)
+    result.metrics["env_fingerprint"] = results.fingerprint(info)
     model = None
     if result.weights is not None:  # with what rebuilds the module: ampbench's models.build, or the user's factory
         model = {"state_dict": result.weights, "model": config.to_dict(plan.model), "model_source": plan.model_source,

@@ -195,6 +195,7 @@ def test_every_analysis_failing_at_once_still_gives_a_report(tmp_path, tiny_para
                                "amp_accum": {"precision": "fp16", "accum_steps": 2}}
     tiny_params["data"].update(train_size=64, test_size=32)
     tiny_params["profile"] = {"steps": 1}
+    tiny_params["mlflow"]["log_model"] = True  # its failure too
     repo = sandbox.create(tmp_path / "repo", tiny_params)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, capture_output=True, text=True,

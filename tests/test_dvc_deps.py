@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ampbench import env
+from ampbench import results
 from ampbench.sandbox import REPO_ROOT
 
 STAGES = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
@@ -21,7 +21,7 @@ EXEMPT = {"src/ampbench/__init__.py", "src/ampbench/errors.py", "src/ampbench/tr
 
 def reached(script: Path) -> set[str]:
     skip = frozenset(REPO_ROOT / f for f in EXEMPT)
-    return {f.relative_to(REPO_ROOT).as_posix() for f in env.source_files(script, skip)}
+    return {f.relative_to(REPO_ROOT).as_posix() for f in results.source_files(script, skip)}
 
 
 @pytest.mark.parametrize("name", list(STAGES))

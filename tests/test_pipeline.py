@@ -31,6 +31,7 @@ def pipeline(tmp_path_factory):
 
     from tests.conftest import SHRINK
     params = sandbox.merge(copy.deepcopy(yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())), SHRINK)
+    params["mlflow"]["log_model"] = True  # each variant's LoggedModel, checked below
     repo = sandbox.create(tmp_path_factory.mktemp("repo"), params)
     mp = pytest.MonkeyPatch()
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # use the default: sqlite:///<repo>/mlflow.db

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from ampbench import sweep
+from ampbench import results, sweep
 from ampbench.sandbox import REPO_ROOT
 
 
@@ -194,9 +194,9 @@ def test_the_sweep_cache_follows_the_code_and_the_model_that_ran(tmp_path, tiny_
 
 
 def test_the_sweep_key_covers_what_the_sweep_runs_and_the_users_model():
-    from ampbench import config, env
+    from ampbench import config
     src = REPO_ROOT / "src"
-    reached = {p.relative_to(src).as_posix() for p in env.source_files(src / "ampbench" / "sweep.py")}
+    reached = {p.relative_to(src).as_posix() for p in results.source_files(src / "ampbench" / "sweep.py")}
     assert {"ampbench/models/cifar.py", "ampbench/models/vit.py", "ampbench/train/step.py", "ampbench/precision.py",
             "ampbench/data/batches.py", "ampbench/measure/clock.py"} <= reached
     assert not {p for p in reached if p.startswith(("ampbench/report", "ampbench/tracking"))}

@@ -8,8 +8,6 @@ comparison runs, or stops it with the reason and the remedy.
 
 from __future__ import annotations
 
-import ast
-import hashlib
 import json
 import math
 import os
@@ -28,7 +26,6 @@ from ampbench import precision
 from ampbench.config import resolve_backend
 from ampbench.errors import EnvironmentMismatch
 
-PACKAGE = Path(__file__).resolve().parent  # src/ampbench
 # The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA Toolkit release notes, "CUDA Toolkit and
 # Corresponding Driver Versions", minor version compatibility): a torch wheel built for CUDA 13.0 needs r580.
 MIN_DRIVER_FOR_CUDA = {13: (580, 65, 6), 12: (525, 60, 13), 11: (450, 80, 2)}
@@ -346,13 +343,6 @@ def choose_placement(placement: str, nbytes: int, model_bytes: int, desc: dict, 
                       f"leaves of {what}, so it streams from host memory")
 
 
-def fingerprint(info: dict) -> str:
-    """A short, stable name for the environment, used as an MLflow tag."""
-    gpu = info.get("gpu")
-    where = f"{gpu['name']} sm{gpu['capability']}" if gpu else f"CPU {info['cpu_model']}"
-    return f"{where} | torch {info['torch']} | CUDA {info['cuda_runtime']}"
-
-
 DATABASES = ("postgresql", "mysql", "mssql")  # tracking stores a client would write to directly (not sqlite)
 
 
@@ -394,62 +384,3 @@ def _check_database(uri: str, timeout: float) -> str | None:
     except Exception as err:  # a missing driver, a refused connection, a bad password: one line either way
         first = (str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__])[0]
         return f"could not be reached ({_one_line(first)})"
-
-
-def git_commit(where: Path | None = None) -> str:
-    """The commit of the ampbench code that ran (``-dirty`` if it has uncommitted changes)."""
-    where = where or Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return sha + ("-dirty" if dirty else "")
-
-
-def _module_file(module: str) -> Path | None:
-    base = PACKAGE.parent / Path(*module.split("."))
-    for path in (base.with_suffix(".py"), base / "__init__.py"):
-        if path.is_file():
-            return path
-    return None
-
-
-def _ampbench_imports(path: Path) -> set[Path]:
-    """The files of the ampbench modules ``path`` imports (function-level imports too), and their packages."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "ampbench":
-                out |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i])))}
-    return out
-
-
-def source_files(entry: Path, skip: frozenset[Path] = frozenset()) -> list[Path]:
-    """Every ampbench source file ``entry`` reaches through its imports, followed from module to module (the
-    files in ``skip`` neither counted nor followed); sorted."""
-    seen: set[Path] = set()
-    todo = [Path(entry).resolve()]
-    while todo:
-        for f in _ampbench_imports(todo.pop()):
-            if f not in seen and f not in skip:
-                seen.add(f)
-                todo.append(f)
-    return sorted(seen)
-
-
-def source_digest(files: list[Path]) -> str:
-    """A hash of these files' names (relative to the package) and contents: the code that produced a result."""
-    h = hashlib.sha256()
-    for f in files:
-        h.update(Path(f).resolve().relative_to(PACKAGE.parent).as_posix().encode())
-        h.update(Path(f).read_bytes())
-    return h.hexdigest()[:16]

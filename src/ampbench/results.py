@@ -10,18 +10,23 @@
 - ``system.csv``: CPU, memory (and GPU) samples taken during training
 - ``profile_trace.json``: torch.profiler's trace of the profiled steps (open it in Perfetto or chrome://tracing)
 
-Files are written under a temporary name and renamed, so a reader never sees half a file.
+Files are written under a temporary name and renamed, so a reader never sees half a file. What made them is
+named here too: the environment's fingerprint, the git commit, and a digest of the source files a stage reaches.
 """
 
 from __future__ import annotations
 
+import ast
 import csv
+import hashlib
 import io
 import json
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 
+PACKAGE = Path(__file__).resolve().parent  # src/ampbench
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
 NUMERICS, SYSTEM, TRACE = "numerics.csv", "system.csv", "profile_trace.json"
 GRAD_NORM = "grad_norm.csv"
@@ -119,3 +124,69 @@ def read_runs(runs_dir: Path) -> dict[str, dict]:
     if not runs_dir.is_dir():
         return {}
     return {d.name: read_run(d) for d in sorted(runs_dir.iterdir()) if (d / METRICS).is_file()}
+
+
+def fingerprint(info: dict) -> str:
+    """A short, stable name for the environment, used as an MLflow tag."""
+    gpu = info.get("gpu")
+    where = f"{gpu['name']} sm{gpu['capability']}" if gpu else f"CPU {info['cpu_model']}"
+    return f"{where} | torch {info['torch']} | CUDA {info['cuda_runtime']}"
+
+
+def git_commit(where: Path | None = None) -> str:
+    """The commit of the ampbench code that ran (``-dirty`` if it has uncommitted changes)."""
+    where = where or Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return sha + ("-dirty" if dirty else "")
+
+
+def _module_file(module: str) -> Path | None:
+    base = PACKAGE.parent / Path(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def _ampbench_imports(path: Path) -> set[Path]:
+    """The files of the ampbench modules ``path`` imports (function-level imports too), and their packages."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "ampbench":
+                out |= {f for i in range(1, len(parts) + 1) if (f := _module_file(".".join(parts[:i])))}
+    return out
+
+
+def source_files(entry: Path, skip: frozenset[Path] = frozenset()) -> list[Path]:
+    """Every ampbench source file ``entry`` reaches through its imports, followed from module to module (the
+    files in ``skip`` neither counted nor followed); sorted."""
+    seen: set[Path] = set()
+    todo = [Path(entry).resolve()]
+    while todo:
+        for f in _ampbench_imports(todo.pop()):
+            if f not in seen and f not in skip:
+                seen.add(f)
+                todo.append(f)
+    return sorted(seen)
+
+
+def source_digest(files: list[Path]) -> str:
+    """A hash of these files' names (relative to the package) and contents: the code that produced a result."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(Path(f).resolve().relative_to(PACKAGE.parent).as_posix().encode())
+        h.update(Path(f).read_bytes())
+    return h.hexdigest()[:16]

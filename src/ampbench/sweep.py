@@ -36,11 +36,10 @@ import torch
 from ampbench import models, runplan
 from ampbench.config import Config, sweep_precisions, to_dict
 from ampbench.data import DeviceBatches
-from ampbench.env import source_digest, source_files
 from ampbench.errors import analysis
 from ampbench.measure import clock, flops, memory, stats
 from ampbench.precision import spec
-from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, write_json
+from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, source_digest, source_files, write_json
 from ampbench.train import probes, setup, step
 
 POOL = 2048  # images decoded once from a streamed folder, from which every point draws its batch

@@ -483,8 +483,7 @@ def record_cached(cfg, gpu_name: str | None, shape: dict, folder) -> dict:
     from pathlib import Path
 
     from ampbench import config, models, runplan
-    from ampbench.env import source_digest, source_files
-    from ampbench.results import atomic_write
+    from ampbench.results import atomic_write, source_digest, source_files
 
     if folder is None:
         return record(cfg, gpu_name)

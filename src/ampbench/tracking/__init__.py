@@ -28,8 +28,8 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from ampbench import results  # noqa: E402
 from ampbench.config import MlflowConfig, flatten, project_root, redact_text, tracking_uri  # noqa: E402
-from ampbench.env import fingerprint, git_commit  # noqa: E402
 from ampbench.errors import analysis  # noqa: E402
+from ampbench.results import fingerprint, git_commit  # noqa: E402
 
 KEY_TAG = "ampbench.run_key"
 # MLflow 3's UI reads this experiment tag to know what kind of experiment it shows; without it the UI asks, and
