@@ -40,3 +40,16 @@ def test_the_report_stage_reaches_and_depends_on_no_training_code():
     training = ("src/ampbench/train", "src/ampbench/step.py", "src/ampbench/precision.py", "src/ampbench/profiling.py")
     assert not [f for f in reached(REPO_ROOT / "stages" / "report.py") if f.startswith(training)]
     assert not [d for d in STAGES["report"]["deps"] if d.startswith(training)]
+
+
+def test_the_report_stage_starts_without_torch():
+    """The report reads files and logs to MLflow: the modules it runs load no torch (about 2 s a process)."""
+    import subprocess
+    import sys
+    text = (REPO_ROOT / "stages" / "report.py").read_text()
+    modules = ["ampbench." + m for m in ("config", "report", "tracking") if re.search(rf"\b{m}\b", text)]
+    assert len(modules) == 3, modules  # what the stage imports (tracking inside main, when MLflow is on)
+    code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False"], modules
