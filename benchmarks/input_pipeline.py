@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 from ampbench import config, data, env, models
 from ampbench.config import DataConfig, ModelConfig, ProfileConfig, TrainConfig
 from ampbench.measure.clock import synchronize
-from ampbench.precision import DTYPES, amp_settings
+from ampbench.precision import amp_settings, names
 from ampbench.runplan import RunPlan
 from ampbench.train import runner, setup, step
 
@@ -126,7 +126,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--arch", default="small_cnn", choices=list(models.ARCHS))
-    ap.add_argument("--precision", default="fp32", choices=list(DTYPES))
+    ap.add_argument("--precision", default="fp32", choices=names())
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--images", type=int, default=4096, help="images to generate (ignored with --folder)")
     ap.add_argument("--side", type=int, default=32, help="image side the model sees (and the generated JPEGs')")

@@ -32,9 +32,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from ampbench import config, data, models
 from ampbench.config import ModelConfig, ProfileConfig, TrainConfig
 from ampbench.measure.clock import synchronize
-from ampbench.precision import DTYPES, amp_settings, spec
+from ampbench.precision import amp_settings, names, spec
 from ampbench.runplan import RunPlan
 from ampbench.train import runner
+from ampbench.train.policy import dtype
 
 
 def recipe_loop(batches, arch: str, channels_last: bool, precision: str, device: str, warmup: int,
@@ -52,7 +53,7 @@ def recipe_loop(batches, arch: str, channels_last: bool, precision: str, device:
             start = time.perf_counter()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # a no-op when already there
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=DTYPES[precision], enabled=spec(precision).autocast_dtype is not None):
+        with torch.autocast(device, dtype=dtype(precision), enabled=spec(precision).autocast is not None):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)
@@ -86,7 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--arch", default="small_cnn", choices=list(models.ARCHS))
-    ap.add_argument("--precision", default="fp32", choices=list(DTYPES))
+    ap.add_argument("--precision", default="fp32", choices=names())
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--images", type=int, default=16384)
     ap.add_argument("--warmup", type=int, default=5)

@@ -15,42 +15,31 @@ import os
 from pathlib import Path
 
 from ampbench import config, data, env, models, precision, runplan
-from ampbench.errors import ConfigError, analysis, run_cli
+from ampbench.errors import analysis, run_cli
 from ampbench.measure import roofline
 from ampbench.results import atomic_write
 
 
-def check_fp8(cfg: config.Config, device: str, image_size: int, num_classes: int) -> tuple[dict | None, list[str]]:
-    """What fp8 converts in this model (counted by forward hooks) and what to warn of; a recipe that cannot run
-    on this device stops here."""
-    fp8 = {n: v for n, v in cfg.variants.items() if precision.spec(v.precision).float8}
-    if not fp8:
-        return None, []
-    for name, v in fp8.items():
-        if device == "cpu" and v.fp8_recipe not in precision.CPU_FP8_RECIPES:
-            raise ConfigError(f"params.yaml: variants.{name}.fp8_recipe = {v.fp8_recipe!r} cannot run on a CPU (its "
-                              "high-precision gradient GEMM fails under CPU bf16 autocast); use "
-                              f"{' or '.join(precision.CPU_FP8_RECIPES)} here, or run on a GPU")
+def census(cfg: config.Config, device: str, image_size: int, num_classes: int) -> tuple[dict, list[str]]:
+    """What each converting rung the variants train in converts in this model (counted by forward hooks), by
+    rung, and what to warn of; a recipe that cannot run on this device stops here."""
+    used = precision.converting(v.precision for v in cfg.variants.values())
+    if not used:
+        return {}, []
+    for name, v in cfg.variants.items():
+        if v.precision in used:
+            precision.rung(v.precision).check(name, runplan.recipe_of(v), device)
     model = models.build_meta(cfg.model, num_classes=num_classes, image_size=image_size)
-    found, why = analysis("fp8_census", models.name(cfg.model), precision.float8_layers, model,
-                          runplan.fp8_recipe(cfg), image_size)
-    if found is None:  # training converts the model itself; the report says what could not be counted
-        return {"error": why}, []
-    warnings = []
-    if not found["called"]:
-        warnings.append(f"fp8 converts no layer of this model ({models.name(cfg.model)}: no Linear layer it calls "
-                        f"has both dimensions multiples of {precision.FP8_MULTIPLE}); it would measure bf16")
-    if found["called"] and max(found["widest"]) < precision.SMALL_GEMM:
-        found["small_gemms"] = (f"its widest fp8 layer is {found['widest'][0]}x{found['widest'][1]}: "
-                                f"{precision.SMALL_GEMM_NOTE}, so expect fp8 no faster than bf16 here")
-        warnings.append(f"fp8 on this model: {found['small_gemms']}")
-    if not cfg.train.compile:
-        warnings.append("precision fp8 with train.compile: false: torchao's float8 training is fast only under "
-                        "torch.compile (which fuses its scaling and casts); set train.compile: true")
-    if device == "cpu":
-        warnings.append("fp8 on a CPU is emulated (torch._scaled_mm's CPU path; Float8Linear follows CUDA autocast "
-                        "only, so its inputs stay fp32): it shows that fp8 training runs, not what fp8 buys, and it "
-                        "is not the GPU's fp8 tensor-core path")
+    found, warnings = {}, []
+    for p in used:
+        rung = precision.rung(p)
+        counted, why = analysis("fp8_census", models.name(cfg.model), rung.census, model, runplan.recipe(cfg, p),
+                                image_size)
+        if counted is None:  # training converts the model itself; the report says what could not be counted
+            found[p] = {"error": why}
+            continue
+        warnings += rung.warnings(counted, cfg.train.compile, device, models.name(cfg.model))
+        found[p] = counted
     return found, warnings
 
 
@@ -95,9 +84,9 @@ def main() -> None:
     env.check_distributed(cfg.distributed, device, info, {p.grad_comm for p in plans.values() if p.ddp})
     models.check_unused(model, cfg.model, cfg.distributed, any(p.ddp for p in plans.values()))
     size = models.input_size(cfg.model, desc["image_size"])
-    fp8, fp8_warnings = check_fp8(cfg, device, size, desc["num_classes"])
+    censuses, census_warnings = census(cfg, device, size, desc["num_classes"])
     for warning in env.warnings_for(info) + precision.notes({v.precision for v in cfg.variants.values()},
-                                                              info["gpu"]) + fp8_warnings \
+                                                              info["gpu"]) + census_warnings \
             + data.folder.bad_file_lines(desc) + ([shm] if shm else []):
         print(f"warning: {warning}")
     if cfg.mlflow.enabled:
@@ -128,13 +117,10 @@ def main() -> None:
                                     gpu["name"] if gpu else None,
                                     {k: desc[k] for k in ("num_classes", "image_size")}, cache)
     counted = counted or {"error": not_counted}
-    if fp8:
-        counted["fp8"] = fp8
-    if fp8 and not fp8.get("error"):
-        print(f"env_check: fp8 ({fp8['recipe']}) runs {len(fp8['called'])} of the model's layers in float8 "
-              f"({fp8['flop_share']:.0%} of its forward FLOPs)" + (f": {', '.join(fp8['called'][:6])}"
-                                                                   + (", ..." if len(fp8['called']) > 6 else "")
-                                                                   if fp8["called"] else ""))
+    for p, found in censuses.items():  # roofline.json keeps each converting rung's census under its name
+        counted[p] = found
+        if not found.get("error"):
+            print(f"env_check: {precision.rung(p).census_summary(found)}")
     if counted.get("gpu"):
         t = counted["gpu"]["table"]
         print(f"env_check: roofline on {counted['gpu']['name']} at batch {counted['batch']}: "

@@ -18,9 +18,9 @@ import torch.multiprocessing as mp
 
 from ampbench import config, data, models, runplan
 from ampbench.data import DeviceBatches
-from ampbench.precision import PrecisionPolicy
 from ampbench.train import distributed, step
 from ampbench.train.engine import Trainer
+from ampbench.train.policy import PrecisionPolicy
 
 WORLD = 2
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)

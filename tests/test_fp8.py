@@ -15,13 +15,14 @@ from ampbench import config, models, precision, runplan
 from ampbench.errors import EnvironmentMismatch
 from ampbench.sandbox import REPO_ROOT
 from ampbench.train import setup
+from ampbench.train.policy import PrecisionPolicy
 from tests.test_env import CU130, _fake_gpu
 
 
 def test_a_float8_training_step_runs_on_a_cpu_and_updates_the_converted_layers():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))  # 64 -> 10: not a multiple of 16
-    policy = precision.PrecisionPolicy("fp8", "cpu", None, "tensorwise")
+    policy = PrecisionPolicy("fp8", "cpu", None, "tensorwise")
     model = policy.prepare(model)
     converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
     assert converted == ["0"]
@@ -42,12 +43,12 @@ def test_a_float8_training_step_runs_on_a_cpu_and_updates_the_converted_layers()
 def test_fp8_counts_the_layers_a_forward_calls_not_the_modules_it_converts():
     """torchvision's attention calls out_proj's weight directly: in vit_tiny only the MLP Linears run in fp8."""
     vit = models.build(config.ModelConfig(arch="vit_tiny"), num_classes=10, image_size=32, device="cpu")
-    found = precision.float8_layers(vit, "tensorwise", 32)
+    found = precision.rung("fp8").census(vit, "tensorwise", 32)
     assert found["converted"] == 18  # 6 blocks x (out_proj, mlp.0, mlp.3)
     assert len(found["called"]) == 12 and all(".mlp." in n for n in found["called"])
     assert found["widest"] == [192, 768] and 0.3 < found["flop_share"] < 0.9
     resnet = models.build(config.ModelConfig(arch="resnet18"), num_classes=10, image_size=32, device="cpu")
-    assert precision.float8_layers(resnet, "tensorwise", 32)["called"] == []  # its 512 -> 10 head does not qualify
+    assert precision.rung("fp8").census(resnet, "tensorwise", 32)["called"] == []  # its 512 -> 10 head does not qualify
 
 
 def test_the_fp8_plan_carries_its_recipe_and_the_others_do_not_change(tmp_path):

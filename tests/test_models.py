@@ -14,9 +14,9 @@ import yaml
 from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig, ModelConfig
 from ampbench.errors import ConfigError
-from ampbench.precision import PrecisionPolicy
 from ampbench.sandbox import REPO_ROOT
 from ampbench.train import numerics, runner, step
+from ampbench.train.policy import PrecisionPolicy
 
 
 def test_builtin_names_match_the_config():

@@ -11,9 +11,9 @@ from torch import nn
 
 from ampbench import config, data, results, runplan
 from ampbench.errors import ConfigError
-from ampbench.precision import PrecisionPolicy
 from ampbench.report import figures, sections
 from ampbench.train import runner, setup, step
+from ampbench.train.policy import PrecisionPolicy
 from tests.conftest import overflow_at
 
 

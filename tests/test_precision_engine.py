@@ -8,8 +8,8 @@ from torch import nn
 
 from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig
-from ampbench.precision import PrecisionPolicy, micro_batch_size
 from ampbench.train import engine, runner, setup, step
+from ampbench.train.policy import PrecisionPolicy, micro_batch_size
 from tests.conftest import overflow_at
 
 

@@ -197,8 +197,8 @@ def test_the_sweep_key_covers_what_the_sweep_runs_and_the_users_model():
     from ampbench import config
     src = REPO_ROOT / "src"
     reached = {p.relative_to(src).as_posix() for p in results.source_files(src / "ampbench" / "sweep.py")}
-    assert {"ampbench/models/cifar.py", "ampbench/models/vit.py", "ampbench/train/step.py", "ampbench/precision.py",
-            "ampbench/data/batches.py", "ampbench/measure/clock.py"} <= reached
+    assert {"ampbench/models/cifar.py", "ampbench/models/vit.py", "ampbench/train/step.py", "ampbench/train/policy.py",
+            "ampbench/precision/float8.py", "ampbench/data/batches.py", "ampbench/measure/clock.py"} <= reached
     assert not {p for p in reached if p.startswith(("ampbench/report", "ampbench/tracking"))}
     cfg = config.from_dict({"device": "cpu"})
     args = (cfg, "fp32", 8, {"n": 1}, "cpu", {"model": "small_cnn", "factory_source": ""}, "code1")

@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from ampbench import config, sandbox
+from ampbench import config, precision, sandbox
 from ampbench.errors import ConfigError, run_cli
 
-LADDER = {"fp32": {"precision": "fp32", "accum_steps": 1}, "tf32": {"precision": "tf32", "accum_steps": 1},
-          "bf16": {"precision": "bf16", "accum_steps": 1}, "amp": {"precision": "fp16", "accum_steps": 1},
-          "fp8": {"precision": "fp8", "accum_steps": 1}}
+# every rung once, in the ladder's order; fp16's variant keeps params.yaml's name for it, amp
+LADDER = {("amp" if r.grad_scaler else r.name): {"precision": r.name, "accum_steps": 1}
+          for r in precision.RUNGS.values()}
 
 
 def demo(dest: Path, arch: str = "", nproc: int = 1, ladder: bool = False, optimizer: str = "") -> None:
@@ -208,8 +208,8 @@ def check_model_cmd(args) -> None:
     cfg = config.from_dict(raw)  # a bad arch name stops here, with the names it takes
     precisions = tuple(p for p in args.precisions.split(",") if p) if args.precisions else ()
     for p in precisions:
-        if p not in config.PRECISIONS:
-            raise ConfigError(f"--precisions: {p!r} is not a precision; use {', '.join(config.PRECISIONS)}")
+        if p not in precision.names():
+            raise ConfigError(f"--precisions: {p!r} is not a precision; use {', '.join(precision.names())}")
     import torch
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     result = conformance.check_model(cfg, precisions=precisions, device=device, step_budget_s=args.step_budget,

@@ -19,10 +19,15 @@ from urllib.parse import urlparse, urlsplit, urlunsplit
 
 import yaml
 
+from ampbench import precision
 from ampbench.errors import ConfigError
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "fp8")  # each has its Spec in precision.py
-FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")  # torchao's float8 training recipes
+
+def _recipes() -> tuple[str, ...]:
+    """Every registered rung's recipes (each rung checks that a variant's is one of its own)."""
+    return tuple(dict.fromkeys(r for rung in precision.RUNGS.values() for r in rung.recipes))
+
+
 DATA_SOURCES = ("cifar10", "cifar100", "folder", "synthetic")  # each is a source in data.SOURCES
 ARCH_NAMES = ("resnet18", "small_cnn", "vit_tiny")  # built in; "tv:<name>" is any torchvision classifier
 OPTIMIZERS = ("sgd", "adamw")
@@ -111,7 +116,7 @@ class SweepConfig:
     enabled: bool = True          # run the batch-size sweep stage (false: it writes an empty result in a second)
     batch_sizes: tuple[int, ...] = _opt((32, 64, 128, 256, 512, 1024), lo=1, nonempty=True)  # batches to time
     steps: int = _opt(10, lo=1)   # timed optimizer steps per point, after 2 untimed ones (no full training)
-    precisions: tuple[str, ...] = _opt((), choices=PRECISIONS)  # precisions to sweep; () = those of the variants
+    precisions: tuple[str, ...] = _opt((), choices=precision.names)  # precisions to sweep; () = those of the variants
     find_max: bool = True         # the largest batch that fits: searched on CUDA, estimated on a CPU
     memory_limit_gib: float = _opt(0.0, lo=0)  # cap the process's GPU memory, e.g. 24 for a 24 GB card (0 = all)
     # on a CPU, a point is left out (with the larger batches of its precision) when the last point's time per
@@ -137,11 +142,11 @@ class DistributedConfig:
 
 @dataclass(frozen=True)
 class Variant:
-    precision: str = _opt("fp32", choices=PRECISIONS)  # fp32 (strict) | tf32 | fp16 (+ GradScaler) | bf16 | fp8
+    precision: str = _opt("fp32", choices=precision.names)  # a rung: fp32 (strict) | tf32 | fp16 | bf16 | fp8
     accum_steps: int = _opt(1, lo=1)                   # micro-batches per optimizer step
     ddp: bool = True              # false: one process even when distributed.nproc_per_node > 1 (the scaling baseline)
     grad_comm: str = _opt("", choices=("", *GRAD_COMMS))  # "" = distributed.grad_comm
-    fp8_recipe: str = _opt("tensorwise", choices=FP8_RECIPES)  # fp8 only: torchao's scaling recipe
+    fp8_recipe: str = _opt("tensorwise", choices=_recipes)  # fp8 only: torchao's scaling recipe
     optimizer_impl: str = _opt("", choices=("", *OPTIMIZER_IMPLS))  # "" = train.optimizer_impl
 
 
@@ -193,8 +198,10 @@ def _check_scalar(path: str, value: Any, typ: type, meta: dict) -> Any:
     ok = isinstance(value, typ) and (typ is bool or not isinstance(value, bool))
     if not ok:
         raise ConfigError(f"{_where(path, value)} is not {_TYPE_NAMES[typ]}; set it to {_TYPE_NAMES[typ]}")
-    if meta.get("choices") and value not in meta["choices"]:
-        allowed = " | ".join(c if c != "" else '""' for c in meta["choices"])
+    choices = meta.get("choices")
+    choices = choices() if callable(choices) else choices  # a registry's names, read when checked
+    if choices and value not in choices:
+        allowed = " | ".join(c if c != "" else '""' for c in choices)
         raise ConfigError(f"{_where(path, value)} is not allowed; choose one of: {allowed}")
     if meta.get("nonempty") and not value.strip():
         raise ConfigError(f"{_where(path, value)} is empty; give it a name")

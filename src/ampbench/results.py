@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -155,7 +156,8 @@ def _module_file(module: str) -> Path | None:
 
 
 def _ampbench_imports(path: Path) -> set[Path]:
-    """The files of the ampbench modules ``path`` imports (function-level imports too), and their packages."""
+    """The files of the ampbench modules ``path`` imports (function-level imports too, and modules named in full
+    in a string, as a registry loads them), and their packages."""
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = []
@@ -163,6 +165,9 @@ def _ampbench_imports(path: Path) -> set[Path]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and re.fullmatch(r"ampbench(\.\w+)+", node.value):
+            names = [node.value]  # a module registered by name (a precision family), imported when the registry loads
         for name in names:
             parts = name.split(".")
             if parts[0] == "ampbench":

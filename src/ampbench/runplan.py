@@ -23,7 +23,7 @@ from ampbench.config import (
     to_dict,
 )
 from ampbench.errors import ConfigError
-from ampbench.precision import amp_settings, spec  # GradScaler settings where used; TF32 by precision
+from ampbench.precision import amp_settings, recipe_for, spec  # GradScaler settings where used; TF32 by precision
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class RunPlan:
     backend: str = "gloo"         # resolved process-group backend: nccl or gloo
     grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
     find_unused_parameters: bool = False  # DDP's find_unused_parameters (only where ddp is true)
-    fp8_recipe: str | None = None  # fp8 only: torchao's float8 recipe (absent from other plans' files)
+    fp8_recipe: str | None = None  # a rung with recipes (fp8) only: its recipe (absent from other plans' files)
     placement: str = "device"     # resolved data.placement: device | stream
     workers: int = 0              # stream only: DataLoader worker processes (both absent from a device plan's file)
 
@@ -71,7 +71,7 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
                    model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
                    grad_comm=v.grad_comm or cfg.distributed.grad_comm,
                    find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters,
-                   fp8_recipe=v.fp8_recipe if spec(v.precision).float8 else None,
+                   fp8_recipe=recipe_of(v),
                    placement=placement, workers=workers if placement == "stream" else 0)
 
 
@@ -83,12 +83,19 @@ def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
                        cfg.train, compile=False, allow_tf32=spec(precision).tf32,
                        optimizer_impl=resolve_optimizer_impl(cfg.train.optimizer_impl, device)),
                    amp=amp_settings(precision, cfg.amp), ddp=False,
-                   fp8_recipe=fp8_recipe(cfg) if spec(precision).float8 else None)
+                   fp8_recipe=recipe(cfg, precision))
 
 
-def fp8_recipe(cfg: Config) -> str:
-    """The recipe of the first fp8 variant (the sweep and the roofline use it), else torchao's default."""
-    return next((v.fp8_recipe for v in cfg.variants.values() if spec(v.precision).float8), "tensorwise")
+def recipe_of(v) -> str | None:
+    """A variant's recipe: its own, else its rung's default; None for a rung that takes no recipe."""
+    return recipe_for(v.precision, v.fp8_recipe)
+
+
+def recipe(cfg: Config, precision: str) -> str | None:
+    """The recipe ``precision`` runs with where no variant names one (the sweep, the roofline, the census): that
+    of its first variant, else the rung's default; None for a rung that takes no recipe."""
+    return recipe_for(precision, next((v.fp8_recipe for v in cfg.variants.values() if v.precision == precision),
+                                      None))
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:

@@ -38,7 +38,6 @@ from ampbench.config import Config, sweep_precisions, to_dict
 from ampbench.data import DeviceBatches
 from ampbench.errors import analysis
 from ampbench.measure import clock, flops, memory, stats
-from ampbench.precision import spec
 from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, source_digest, source_files, write_json
 from ampbench.train import probes, setup, step
 
@@ -63,8 +62,8 @@ def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerpri
              "optimizer": [cfg.train.optimizer, cfg.train.optimizer_impl, cfg.train.clip_grad_norm,
                            cfg.train.momentum, cfg.train.weight_decay],  # momentum 0: no buffer, less memory
              "env": env_fingerprint, "model_source": model_source, "code": code}
-    if spec(precision).float8:
-        parts["fp8_recipe"] = runplan.fp8_recipe(cfg)
+    if runplan.recipe(cfg, precision):  # a rung with recipes: the one it runs
+        parts["fp8_recipe"] = runplan.recipe(cfg, precision)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

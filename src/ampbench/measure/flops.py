@@ -17,12 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-COLUMNS = ("fp32", "tf32", "fp16", "bf16", "fp8", "bandwidth_gbps")
+from ampbench import precision
+
+# the rungs' datasheet columns (each rung names its own), and the memory bandwidth
+COLUMNS = (*dict.fromkeys(r.datasheet for r in precision.RUNGS.values()), "bandwidth_gbps")
 
 
-def _row(name, source, fp32, tf32, fp16, fp8, bandwidth_gbps, bf16="fp16") -> dict:
-    return {"name": name, "source": source, "fp32": fp32, "tf32": tf32, "fp16": fp16,
-            "bf16": fp16 if bf16 == "fp16" else bf16, "fp8": fp8, "bandwidth_gbps": bandwidth_gbps}
+def _row(name: str, source: str, bandwidth_gbps: float, *, bf16_as_fp16: bool = True, **peaks) -> dict:
+    """One GPU's row: dense peaks by datasheet column (TFLOP/s; None: no such tensor core) and its bandwidth.
+    bf16 runs at fp16's rate on every GPU that has it (``bf16_as_fp16``); a column not given is None."""
+    unknown = set(peaks) - set(COLUMNS)
+    assert not unknown, f"{name}: no such datasheet column {unknown}"
+    if bf16_as_fp16:
+        peaks["bf16"] = peaks["fp16"]
+    return {"name": name, "source": source, **dict.fromkeys(COLUMNS[:-1]), **peaks, "bandwidth_gbps": bandwidth_gbps}
 
 
 _HOPPER = "NVIDIA H100 Tensor Core GPU datasheet"
@@ -32,28 +40,31 @@ _BLACKWELL = "NVIDIA RTX Blackwell GPU architecture whitepaper (FP32-accumulate 
 _ADA = "NVIDIA Ada GPU architecture whitepaper (FP32-accumulate tensor rates)"
 _AMPERE = "NVIDIA Ampere GA102 GPU architecture whitepaper (FP32-accumulate tensor rates)"
 
-# name pattern (first match wins: the specific before the general) -> name, cited source, dense TFLOP/s, GB/s
+# name pattern (first match wins: the specific before the general) -> name, cited source, GB/s, dense TFLOP/s
 DATASHEET = [
     (r"\bB200\b", _row("B200", "NVIDIA HGX B200 datasheet, per GPU (600 TF FP32, 18 PF TF32*, 36 PF FP16*, "
-                        "72 PF FP8* for 8)", 75.0, 1125.0, 2250.0, 4500.0, 8000)),
-    (r"H200 NVL", _row("H200 NVL", _H200, 60.0, 417.5, 835.5, 1670.5, 4800)),
-    (r"H200", _row("H200", _H200 + " (SXM)", 67.0, 494.7, 989.4, 1978.9, 4800)),
-    (r"H100 NVL", _row("H100 NVL", _HOPPER, 60.0, 417.5, 835.5, 1670.5, 3900)),
-    (r"H100.*(SXM|HBM3)", _row("H100 SXM", _HOPPER + " (SXM5)", 67.0, 494.7, 989.4, 1978.9, 3350)),
-    (r"H100", _row("H100 PCIe", _HOPPER + " (PCIe)", 51.2, 378.0, 756.0, 1513.0, 2000)),
-    (r"A100 80GB PCIe", _row("A100 80GB PCIe", _A100, 19.5, 156.0, 312.0, None, 1935)),
-    (r"A100.*80GB", _row("A100 80GB SXM", _A100, 19.5, 156.0, 312.0, None, 2039)),
-    (r"A100", _row("A100 40GB", _A100, 19.5, 156.0, 312.0, None, 1555)),
-    (r"L40S", _row("L40S", "NVIDIA L40S datasheet", 91.6, 183.0, 362.05, 733.0, 864)),
-    (r"\bL4\b", _row("L4", "NVIDIA L4 Tensor Core GPU datasheet", 30.3, 60.0, 121.0, 242.5, 300)),
-    (r"\bA40\b", _row("A40", "NVIDIA A40 datasheet", 37.4, 74.8, 149.7, None, 696)),
-    (r"\bA10\b", _row("A10", "NVIDIA A10 datasheet", 31.2, 62.5, 125.0, None, 600)),
+                        "72 PF FP8* for 8)", 8000, fp32=75.0, tf32=1125.0, fp16=2250.0, fp8=4500.0)),
+    (r"H200 NVL", _row("H200 NVL", _H200, 4800, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
+    (r"H200", _row("H200", _H200 + " (SXM)", 4800, fp32=67.0, tf32=494.7, fp16=989.4, fp8=1978.9)),
+    (r"H100 NVL", _row("H100 NVL", _HOPPER, 3900, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
+    (r"H100.*(SXM|HBM3)", _row("H100 SXM", _HOPPER + " (SXM5)", 3350, fp32=67.0, tf32=494.7, fp16=989.4,
+                                fp8=1978.9)),
+    (r"H100", _row("H100 PCIe", _HOPPER + " (PCIe)", 2000, fp32=51.2, tf32=378.0, fp16=756.0, fp8=1513.0)),
+    (r"A100 80GB PCIe", _row("A100 80GB PCIe", _A100, 1935, fp32=19.5, tf32=156.0, fp16=312.0, fp8=None)),
+    (r"A100.*80GB", _row("A100 80GB SXM", _A100, 2039, fp32=19.5, tf32=156.0, fp16=312.0, fp8=None)),
+    (r"A100", _row("A100 40GB", _A100, 1555, fp32=19.5, tf32=156.0, fp16=312.0, fp8=None)),
+    (r"L40S", _row("L40S", "NVIDIA L40S datasheet", 864, fp32=91.6, tf32=183.0, fp16=362.05, fp8=733.0)),
+    (r"\bL4\b", _row("L4", "NVIDIA L4 Tensor Core GPU datasheet", 300, fp32=30.3, tf32=60.0, fp16=121.0, fp8=242.5)),
+    (r"\bA40\b", _row("A40", "NVIDIA A40 datasheet", 696, fp32=37.4, tf32=74.8, fp16=149.7, fp8=None)),
+    (r"\bA10\b", _row("A10", "NVIDIA A10 datasheet", 600, fp32=31.2, tf32=62.5, fp16=125.0, fp8=None)),
     # mixed-precision FP16 tensor cores, no TF32 or BF16
-    (r"V100", _row("V100", "NVIDIA V100 Tensor Core GPU datasheet", 15.7, None, 125.0, None, 900, bf16=None)),
-    (r"\bT4\b", _row("T4", "NVIDIA T4 datasheet", 8.1, None, 65.0, None, 320, bf16=None)),
-    (r"RTX 5090", _row("RTX 5090", _BLACKWELL, 104.8, 104.8, 209.5, 419.0, 1792)),
-    (r"RTX 4090", _row("RTX 4090", _ADA, 82.6, 82.6, 165.2, 330.3, 1008)),
-    (r"RTX 3090(?! Ti)", _row("RTX 3090", _AMPERE, 35.6, 35.6, 71.0, None, 936)),
+    (r"V100", _row("V100", "NVIDIA V100 Tensor Core GPU datasheet", 900, fp32=15.7, tf32=None, fp16=125.0, fp8=None,
+                   bf16_as_fp16=False)),
+    (r"\bT4\b", _row("T4", "NVIDIA T4 datasheet", 320, fp32=8.1, tf32=None, fp16=65.0, fp8=None,
+                     bf16_as_fp16=False)),
+    (r"RTX 5090", _row("RTX 5090", _BLACKWELL, 1792, fp32=104.8, tf32=104.8, fp16=209.5, fp8=419.0)),
+    (r"RTX 4090", _row("RTX 4090", _ADA, 1008, fp32=82.6, tf32=82.6, fp16=165.2, fp8=330.3)),
+    (r"RTX 3090(?! Ti)", _row("RTX 3090", _AMPERE, 936, fp32=35.6, tf32=35.6, fp16=71.0, fp8=None)),
 ]
 
 

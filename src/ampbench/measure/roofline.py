@@ -67,7 +67,6 @@ FP32 = frozenset((
 _ALIASES = {"linalg_matmul": "matmul", "cross_entropy_loss": "nll_loss", "linalg_norm": "linalg_vector_norm",
             "lstm": "lstm_cell", "gru": "gru_cell", "rnn_tanh": "rnn_tanh_cell", "rnn_relu": "rnn_relu_cell"}
 
-LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: the rest in bf16
 CATEGORIES = ("conv", "matmul", "attention", "memory-bound ops")
 
 
@@ -212,9 +211,9 @@ class StepCounter(TorchDispatchMode):
     aten op that results (the casts as "cast") in ``phase``, which the step sets: forward, backward, optimizer.
     """
 
-    def __init__(self, low: torch.dtype | None, fuse_float8: bool = False):
+    def __init__(self, low: torch.dtype | None, scaling_files: tuple[str, ...] = ()):
         super().__init__()
-        self.low, self.phase, self.ops, self.fuse_float8 = low, "forward", [], fuse_float8
+        self.low, self.phase, self.ops, self.scaling_files = low, "forward", [], scaling_files
         self._autocast = _Autocast(self)
         self._fp8_source_itemsize = 4  # the element size of the tensor fp8 last took an amax of
 
@@ -244,7 +243,7 @@ class StepCounter(TorchDispatchMode):
         moved = sum(_bytes(t) for t in tensors) + sum(_bytes(t) for t in outs)
         counter = flop_registry.get(func._overloadpacket)
         flops = float(counter(*args, **kwargs, out_val=out)) if counter else 0.0
-        if self.fuse_float8 and not flops and _from_torchao_scaling():
+        if self.scaling_files and not flops and _called_from(self.scaling_files):
             moved = self._fused_float8_bytes(name, tensors, outs)
             if not moved:
                 return out
@@ -268,17 +267,14 @@ class StepCounter(TorchDispatchMode):
         return 0.0
 
 
-# torchao's float8 scaling and casting code (amax, scale, saturated cast); its other ops (a bias add) are eager
-_FLOAT8_SCALING = ("float8_scaling_utils.py", "float8_utils.py", "float8_training_tensor.py")
-
-
-def _from_torchao_scaling() -> bool:
-    """Whether the op being dispatched was called from torchao's float8 scaling and casting code."""
+def _called_from(files: tuple[str, ...]) -> bool:
+    """Whether the op being dispatched was called from a rung's scaling and casting code (torchao's float8: amax,
+    scale, saturated cast; its other ops, a bias add, are eager)."""
     frame = sys._getframe(2)
     for _ in range(40):
         if frame is None:
             return False
-        if "torchao" in frame.f_code.co_filename and frame.f_code.co_filename.endswith(_FLOAT8_SCALING):
+        if "torchao" in frame.f_code.co_filename and frame.f_code.co_filename.endswith(files):
             return True
         frame = frame.f_back
     return False
@@ -295,15 +291,11 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     """
     from ampbench.precision import spec
 
-    model = spec(precision).prepare(model, fp8_recipe).to("meta")
+    rung = spec(precision)
+    model = rung.roofline_model(model, fp8_recipe).to("meta")
     x, y = x.to("meta"), y.to("meta")
     opt = make_optimizer(model.parameters())
-    low = LOW_DTYPES.get(precision) if spec(precision).autocast_dtype is not None else None
-    if spec(precision).float8:  # under CUDA autocast, a Float8Linear first casts its input to autocast's dtype
-        from torchao.float8.float8_linear import Float8Linear
-        for m in model.modules():
-            if isinstance(m, Float8Linear):
-                m.register_forward_pre_hook(lambda mod, args: (args[0].to(low), *args[1:]))
+    low = getattr(torch, rung.autocast) if rung.autocast else None
 
     def step(counter: StepCounter):
         opt.zero_grad(set_to_none=True)
@@ -312,13 +304,13 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         counter.phase = "backward"
         loss.backward()
         counter.phase = "optimizer"
-        if spec(precision).grad_scaler:  # GradScaler's unscale_: read and write every gradient once
+        if rung.grad_scaler:  # GradScaler's unscale_: read and write every gradient once
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             counter.ops.append(Op("unscale (GradScaler)", "float32", 0.0, float(2 * sum(_bytes(g) for g in grads)),
                                   "optimizer"))
         opt.step()
 
-    fuse = spec(precision).float8
+    fuse = rung.scaling_files
     with StepCounter(low, fuse) as first:  # the optimizer's state made; counted too, so an op that cannot be is named
         step(first)
     with StepCounter(low, fuse) as counter:
@@ -353,12 +345,8 @@ def find_gpu(name: str) -> dict:
 def _rate(op: Op, precision: str, row: dict) -> float | None:
     """The peak (FLOP/s) an op's math runs at on ``row``'s GPU; None when that GPU cannot run its dtype."""
     from ampbench.precision import spec
-    column = {"float16": "fp16", "bfloat16": "bf16"}.get(op.dtype)
-    if op.dtype.startswith("float8"):
-        column = "fp8"
-    if column is None:  # fp32 math: TF32 tensor cores only in the tf32 precision
-        column = "tf32" if spec(precision).tf32 and row.get("tf32") else "fp32"
-    peak = row.get(column)
+    column = spec(precision).peak_column(op.dtype, row)
+    peak = row.get(column) if column else None
     return peak * 1e12 if peak else None
 
 
@@ -402,7 +390,7 @@ def table(counted: dict[str, list[Op]], row: dict, batch: int) -> dict[str, dict
     out = {}
     for precision, ops in counted.items():
         # a GPU without fp8 tensor cores cannot run the fp8 precision at all, even for a model it converts nothing of
-        t = None if spec(precision).float8 and not row.get("fp8") else step_time(ops, row, precision)
+        t = step_time(ops, row, precision) if spec(precision).runs_on(row) else None
         out[precision] = {"step_ms": t["step_s"] * 1e3, "imgs_per_s": batch / t["step_s"],
                           "memory_bound_share": t["memory_bound_share"]} if t else None
     for ref in ("fp32", "tf32"):
@@ -419,10 +407,11 @@ def for_config(cfg, batch: int | None = None, precisions: tuple[str, ...] | None
     import copy
     import time
 
-    from ampbench import config, data, models, runplan
+    from ampbench import data, models, runplan
+    from ampbench.precision import names
     from ampbench.train.setup import optimizer
 
-    precisions = precisions or config.PRECISIONS
+    precisions = precisions or names()
     batch = batch or cfg.train.batch_size
     desc = data.describe(cfg.data)
     size = models.input_size(cfg.model, desc["image_size"])
@@ -431,9 +420,8 @@ def for_config(cfg, batch: int | None = None, precisions: tuple[str, ...] | None
     x = torch.empty(batch, 3, size, size, device="meta")
     y = torch.empty(batch, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
-    recipe = runplan.fp8_recipe(cfg)
-    ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: optimizer(plan, params, "foreach"), recipe)
-           for p in precisions}
+    ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: optimizer(plan, params, "foreach"),
+                    runplan.recipe(cfg, p)) for p in precisions}
     return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
             "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}
 
@@ -452,10 +440,10 @@ def record(cfg, gpu_name: str | None) -> dict:
     at batch 256 on an RTX 5090."""
     from ampbench import config
     from ampbench.measure.flops import datasheet_row
-    from ampbench.precision import spec
+    from ampbench.precision import names, spec
 
     used = {v.precision for v in cfg.variants.values()}
-    found = for_config(cfg, precisions=tuple(p for p in config.PRECISIONS if not spec(p).float8 or p in used))
+    found = for_config(cfg, precisions=tuple(p for p in names() if spec(p).always_counted or p in used))
     s = found["summary"]
     out = {"model": found["model"], "batch": found["batch"], "input_size": found["input_size"],
            "flops": s["flops"], "bytes": s["bytes"], "conv_flop_share": s["conv_flop_share"],
@@ -491,7 +479,8 @@ def record_cached(cfg, gpu_name: str | None, shape: dict, folder) -> dict:
     key = hashlib.sha256(json.dumps({
         "model": config.to_dict(cfg.model), "model_source": models.source_hash(cfg.model), "shape": shape,
         "train": config.to_dict(cfg.train), "precisions": sorted({v.precision for v in cfg.variants.values()}),
-        "fp8_recipe": runplan.fp8_recipe(cfg), "gpu": gpu_name, "torch": torch.__version__,
+        "recipes": {p: runplan.recipe(cfg, p) for p in sorted({v.precision for v in cfg.variants.values()})},
+        "gpu": gpu_name, "torch": torch.__version__,
         "code": source_digest(source_files(here) + [here])}, sort_keys=True, default=str).encode()).hexdigest()[:16]
     path = Path(folder) / f"roofline-{key}.json"
     try:

@@ -12,6 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
+from ampbench import precision
 from ampbench.errors import ANALYSES
 from ampbench.report import fmt
 from ampbench.report.scale import scaling, sweep
@@ -215,20 +216,10 @@ def _article_roofline(found: dict | None) -> list[str]:
             "setting that held fp32 back), which a precision cannot be credited with.", ""]
 
 
-def _fp8_lines(fp8: dict | None) -> list[str]:
-    if not fp8:
-        return []
-    if fp8.get("error"):
-        return ["", f"What fp8 converts could not be counted: {fp8['error']}."]
-    if not fp8["called"]:
-        return ["", "fp8 converts no layer of this model (no Linear layer it calls has both dimensions multiples of "
-                "16), so its fp8 variants measure bf16."]
-    text = (f"fp8 ({fp8['recipe']}) runs {len(fp8['called'])} Linear layers in float8, {fp8['flop_share']:.0%} of "
-            "the model's forward FLOPs (counted by forward hooks on the layers a forward pass calls); the rest stays "
-            "bf16.")
-    if fp8.get("small_gemms"):
-        text += f" On this model {fp8['small_gemms']}."
-    return ["", text]
+def _census_lines(found: dict) -> list[str]:
+    """What each converting rung converts in this model (roofline.json keeps each census under its rung)."""
+    return [line for name in precision.converting(n for n in found if n in precision.RUNGS)
+            for line in precision.rung(name).census_lines(found[name])]
 
 
 def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
@@ -245,7 +236,7 @@ def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
         f"{found['conv_flop_share']:.0%} of its FLOPs are convolutions, so plain PyTorch (TF32 convolutions, IEEE "
         f"matmuls) trains it closest to {'tf32' if found['closest_default'] == 'tf32' else 'strict fp32'}: that "
         "column is what a user of plain PyTorch starts from.")
-    lines += _fp8_lines(found.get("fp8"))
+    lines += _census_lines(found)
     gpu = found.get("gpu")
     if not gpu:
         where = f"{env['gpu']['name']} is not in the datasheet table" if env.get("gpu") else "this ran on a CPU"
@@ -272,12 +263,12 @@ def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]]
     extra = " measured |" if measured is not None else ""
     lines = ["| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share |" + extra,
              "|---|---|---|---|---|---|" + ("---|" if extra else "")]
-    for precision, r in table.items():
+    for rung, r in table.items():
         if r is None:
-            lines.append(f"| {precision} | no {precision} tensor cores | | | | |" + (" |" if extra else ""))
+            lines.append(f"| {rung} | no {rung} tensor cores | | | | |" + (" |" if extra else ""))
             continue
-        cell = f" {'; '.join(measured.get(precision, [])) or 'not run'} |" if measured is not None else ""
-        lines.append(f"| {precision} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
+        cell = f" {'; '.join(measured.get(rung, [])) or 'not run'} |" if measured is not None else ""
+        lines.append(f"| {rung} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
                      f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} |" + cell)
     return lines
 
@@ -380,14 +371,10 @@ def safety(summary: dict, env: dict, runs: dict) -> list[str]:
                   + ", ".join(f"`{n}`: {r['accum_steps']} micro-batches per step" for n, r in accum)
                   + "), so accumulated steps are not identical to full-batch steps; a difference in loss or "
                   "accuracy against the unaccumulated variant can come from this, not from fp16.", ""]
-    fp8 = [(n, r) for n, r in summary["variants"].items() if r["precision"] == "fp8"]
-    if fp8:
-        lines += ["fp8 has no loss scale: before each fp8 GEMM torchao scales the tensor to fp8's range (e4m3 up to "
-                  "448, e5m2 for gradients in the tensorwise recipe) from its current absolute maximum ("
-                  + ", ".join(f"`{n}`: {r.get('fp8_recipe')} scaling, {fmt.num(r.get('fp8_layers'), 'd')} Linear "
-                              "layers converted" for n, r in fp8)
-                  + "); the rest of the model runs under bf16 autocast. The fp16 audit below does not apply to it.",
-                  ""]
+    for name in precision.names():  # what a rung says of its own numerics (fp8: its scaling, not a loss scale)
+        runs_of = [(n, r) for n, r in summary["variants"].items() if r["precision"] == name]
+        note = precision.rung(name).runs_note(runs_of) if runs_of else None
+        lines += [note, ""] if note else []
     lines += not_made(summary, "accumulation", "audit")
     lines += _grad_norms(summary["baseline"], runs)
     for name, run in runs.items():

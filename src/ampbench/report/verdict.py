@@ -8,6 +8,7 @@ headline variant, the profile section for the others.
 
 from __future__ import annotations
 
+from ampbench import precision
 from ampbench.report import fmt
 
 
@@ -67,7 +68,6 @@ def _accuracy(r: dict, base: dict) -> str:
     return f"; final accuracy {acc:.2%} against {b_acc:.2%}, {judged}"
 
 
-LABELS = {"fp16": "FP16-AMP", "bf16": "BF16-AMP", "tf32": "TF32", "fp8": "FP8", "fp32": "FP32"}  # the headline's
 
 
 def verdict(summary: dict, env: dict) -> str:
@@ -78,7 +78,8 @@ def verdict(summary: dict, env: dict) -> str:
                 "the table below shows what was measured.")
     r, base = summary["variants"][name], summary["variants"][base_name]
     where = env["gpu"]["name"] if env.get("gpu") else f"this CPU ({env.get('cpu_model')})"
-    label = LABELS.get(r.get("precision"), str(r.get("precision")).upper())
+    label = precision.label(r.get("precision")) if r.get("precision") in precision.RUNGS \
+        else str(r.get("precision")).upper()
     text = f"On {where}, {name} ({label}) {_speed(r)}, {_memory(r)}{_accuracy(r, base)}."
     lo = (r.get("speedup_ci95") or [None])[0]
     if not (lo is not None and lo > 1.02):

@@ -22,7 +22,7 @@ import torch
 from ampbench import config, data, models, runplan
 from ampbench.errors import analysis, first_line
 from ampbench.measure import roofline
-from ampbench.precision import CPU_FP8_RECIPES, float8_layers, spec
+from ampbench.precision import BASELINE, converting, names, spec
 from ampbench.train import probes, setup, step
 
 ZOO_GPUS = ("RTX 5090", "H100 SXM")  # the roofline's ratios are given on these (the article's card, a datacenter one)
@@ -40,9 +40,10 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
     """One optimizer step of ``precision`` at ``STEP_BATCH`` images of size x size: its loss and time."""
     plan = runplan.for_precision(cfg, precision, device.type)
     note = ""
-    if spec(precision).float8 and device.type == "cpu" and plan.fp8_recipe not in CPU_FP8_RECIPES:
-        note = f"recipe {CPU_FP8_RECIPES[0]} here: {plan.fp8_recipe} runs on a GPU only; "
-        plan = dataclasses.replace(plan, fp8_recipe=CPU_FP8_RECIPES[0])
+    rung = spec(precision)
+    if rung.cpu_recipes and device.type == "cpu" and plan.fp8_recipe not in rung.cpu_recipes:
+        note = f"recipe {rung.cpu_recipes[0]} here: {plan.fp8_recipe} runs on a GPU only; "
+        plan = dataclasses.replace(plan, fp8_recipe=rung.cpu_recipes[0])
     meta = {"image_shape": [3, size, size], "num_classes": num_classes, "mean": [0.5] * 3, "std": [0.25] * 3}
     s = setup.build(plan, meta, device)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -55,12 +56,12 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
                                  clip=cfg.train.clip_grad_norm))
     seconds = time.perf_counter() - t0
     # a CPU has no fp16 or fp8 tensor cores: autocast to fp16 and torchao's fp8 GEMMs run emulated there
-    emulated = device.type == "cpu" and (spec(precision).float8 or spec(precision).autocast_dtype == torch.float16)
+    emulated = device.type == "cpu" and rung.emulated_on_cpu
     if not math.isfinite(loss):
         raise RuntimeError(f"the step's loss is {loss}" + (
             " on a CPU, whose autocast lists differ from CUDA's: it runs in fp16 some ops CUDA autocast keeps in fp32 "
             "(F.normalize's norm: its eps of 1e-12 is 0 in fp16, so a zero vector gives 0/0); a GPU run tells"
-            if emulated and spec(precision).autocast_dtype == torch.float16 else ""))
+            if emulated and rung.autocast == "float16" else ""))
     # the activation meter, as a train stage runs it (an analysis: its failure is said, the step still passed)
     saved, why = analysis("activations", models.name(cfg.model), probes.activation_bytes, s.model, x, s.policy)
     return {"loss": loss, "s": seconds, "activation_bytes": saved,
@@ -122,13 +123,15 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
     except Exception as err:  # an analysis: the model still trains without it
         row("roofline", None, f"not counted: {first_line(err)}")
 
-    try:
-        fp8 = float8_layers(model, runplan.fp8_recipe(cfg), size)
-        row("fp8 converts", None, (f"{len(fp8['called'])} Linear layer(s), {fp8['flop_share']:.0%} of the forward "
-                                   f"FLOPs" if fp8["called"] else "no layer: an fp8 variant would measure bf16"),
-            layers=len(fp8["called"]), flop_share=fp8["flop_share"])
-    except Exception as err:
-        row("fp8 converts", None, f"not found: {first_line(err)}")
+    for name_ in converting(names()):  # what each converting rung converts in this model
+        try:
+            found = spec(name_).census(model, runplan.recipe(cfg, name_), size)
+            row(f"{name_} converts", None, (
+                f"{len(found['called'])} Linear layer(s), {found['flop_share']:.0%} of the forward FLOPs"
+                if found["called"] else f"no layer: an {name_} variant would measure bf16"),
+                layers=len(found["called"]), flop_share=found["flop_share"])
+        except Exception as err:
+            row(f"{name_} converts", None, f"not found: {first_line(err)}")
 
     fp32_s = None
     for precision in precisions:
@@ -144,7 +147,7 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
         except Exception as err:  # what a user's training would hit: the reason, in one line
             row(check, False, first_line(err))
             continue
-        if precision == "fp32":
+        if precision == BASELINE:
             fp32_s = done["s"]
         row(check, True, f"{done['note']}loss {done['loss']:.3f}, step {done['s']:.2f} s (with setup "
                          f"{total_s:.1f} s), batch {STEP_BATCH} at {size}x{size} on {dev.type}; {done['activations']}",

@@ -24,9 +24,10 @@ from ampbench import models
 from ampbench.data import Batches, DeviceBatches, StreamBatches
 from ampbench.errors import AmpbenchError, NonFiniteTraining, analysis
 from ampbench.measure import clock, flops, memory
-from ampbench.precision import PrecisionPolicy, micro_batch_size, tf32_flags
+from ampbench.precision import tf32_flags
 from ampbench.runplan import RunPlan
 from ampbench.train import distributed, numerics, probes, setup, step
+from ampbench.train.policy import PrecisionPolicy, micro_batch_size
 
 
 def make_batches(plan: RunPlan, data: dict, world: distributed.World = distributed.SINGLE) -> tuple[Batches, Batches]:

@@ -10,9 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ampbench import models
+from ampbench import models, precision
 from ampbench.measure import flops, memory, stats
-from ampbench.precision import datasheet_column
 
 
 @dataclass
@@ -54,9 +53,9 @@ def run_result(t) -> RunResult:
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     ips = timed_images / (total_e2e / 1000) if total_e2e else None  # StepClock.imgs_per_s, the slowest rank's time
     rates = c.step_rates()
-    fp8_layers = sum(type(m).__name__ == "Float8Linear" for m in t.model.modules()) if plan.fp8_recipe else None
-    # an fp8 run that converted nothing ran in bf16: its peak is bf16's
-    peak_prec = "bf16" if plan.fp8_recipe and not fp8_layers else datasheet_column(plan.precision)
+    rung = precision.rung(plan.precision)
+    fp8_layers = rung.converted(t.model)  # layers a converting rung converted (None for the others)
+    peak_prec = rung.measured_column(fp8_layers)  # an fp8 run that converted nothing ran in bf16: bf16's peak
     peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
     achieved = t.flops_per_image * ips / 1e12 if ips and t.flops_per_image else None
     metrics = {

@@ -11,8 +11,8 @@ import copy
 import torch
 
 from ampbench.measure import memory
-from ampbench.precision import PrecisionPolicy
 from ampbench.train import step
+from ampbench.train.policy import PrecisionPolicy
 
 
 def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int) -> float:

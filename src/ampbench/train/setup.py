@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from ampbench import config, models
-from ampbench.precision import PrecisionPolicy, set_tf32
+from ampbench.precision import set_tf32
 from ampbench.runplan import RunPlan
 from ampbench.train import distributed
+from ampbench.train.policy import PrecisionPolicy
 
 
 @dataclass

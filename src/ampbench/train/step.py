@@ -13,8 +13,8 @@ import struct
 import torch
 import torch.nn.functional as F
 
-from ampbench.precision import PrecisionPolicy
 from ampbench.train import distributed
+from ampbench.train.policy import PrecisionPolicy
 
 
 def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, micro: int,

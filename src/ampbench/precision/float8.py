@@ -1,0 +1,167 @@
+"""fp8: torchao's float8 training (``convert_to_float8_training``) of the Linear layers whose dimensions allow it
+(both multiples of 16), with a recipe (tensorwise | rowwise | rowwise_with_gw_hp); the rest in bf16 autocast.
+Needs compute capability 8.9 (Ada, Hopper, Blackwell). On a CPU it runs through ``torch._scaled_mm``'s CPU path,
+emulated, and ``Float8Linear`` follows CUDA autocast only, so its inputs stay fp32 there: a check that fp8
+training runs, not the GPU's dtype path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ampbench.errors import ConfigError
+from ampbench.precision import Rung
+
+MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each fp8 GEMM to be multiples of 16
+SMALL_GEMM = 2048  # below this on every side, fp8's scaling and casts outweigh its faster GEMM (torchao's benchmark)
+SMALL_GEMM_NOTE = ("fp8 pays off only on large GEMMs (torchao's own H100 benchmark: fp8 0.80x bf16 at "
+                   "1024x2048x1024, 1.39x at 4096x8192x16384)")
+# torchao's float8 scaling and casting code (amax, scale, saturated cast): torch.compile fuses its ops
+SCALING_FILES = ("float8_scaling_utils.py", "float8_utils.py", "float8_training_tensor.py")
+
+
+def eligible(module, fqn: str = "") -> bool:
+    """A Linear layer float8 training can convert: both of its dimensions multiples of 16."""
+    from torch import nn
+    return isinstance(module, nn.Linear) and module.in_features % MULTIPLE == 0 \
+        and module.out_features % MULTIPLE == 0
+
+
+def convert(model, recipe: str):
+    """torchao's float8 training on ``model``'s eligible Linear layers, in place, with ``recipe``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
+                                      module_filter_fn=eligible)
+
+
+def _converted_layers(model) -> list:
+    from torchao.float8.float8_linear import Float8Linear
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def layers(model, recipe: str, image_size: int) -> dict:
+    """What fp8 converts in ``model`` (a copy is converted), counted by forward hooks on the layers a forward
+    pass actually calls (a converted layer whose weight its parent uses directly, as torchvision's attention does
+    with ``out_proj``, is not called and stays in bf16): the layers, their share of the model's forward FLOPs,
+    and the widest of them."""
+    import copy
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    if any(not p.is_meta for p in model.parameters()):  # shapes only: no weights copied, however large the model
+        model = copy.deepcopy(model).to("meta")
+    x = torch.zeros(2, 3, image_size, image_size, device="meta")
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        copy.deepcopy(model).train()(x)
+    total = counter.get_total_flops()
+    converted = convert(copy.deepcopy(model), recipe)
+    called: dict[str, float] = {}
+    shapes: dict[str, list[int]] = {}
+    handles = []
+    for name, m in _converted_layers(converted):
+        def hook(mod, inp, out, name=name):
+            rows = inp[0].numel() // mod.in_features
+            called[name] = called.get(name, 0.0) + 2.0 * rows * mod.in_features * mod.out_features
+            shapes[name] = [mod.in_features, mod.out_features]
+        handles.append(m.register_forward_hook(hook))
+    with torch.no_grad():
+        converted.train()(x)
+    for h in handles:
+        h.remove()
+    widest = max(shapes.values(), key=lambda s: s[0] * s[1]) if shapes else None
+    return {"recipe": recipe, "converted": len(handles), "called": sorted(called),
+            "flop_share": sum(called.values()) / total if total else 0.0, "widest": widest}
+
+
+@dataclass(frozen=True)
+class Float8(Rung):
+    def prepare(self, model, recipe: str | None = None):
+        return convert(model, recipe or self.default_recipe)
+
+    def census(self, model, recipe: str | None, image_size: int) -> dict:
+        return layers(model, recipe or self.default_recipe, image_size)
+
+    def converted(self, model) -> int:
+        return len(_converted_layers(model))
+
+    def measured_column(self, converted: int | None) -> str:
+        return self.datasheet if converted else "bf16"  # a run that converted nothing ran in bf16
+
+    def runs_on(self, row: dict) -> bool:
+        return bool(row.get(self.datasheet))  # without fp8 tensor cores, not at all, whatever the model
+
+    def roofline_model(self, model, recipe: str | None):
+        """Converted as training converts it; under CUDA autocast a Float8Linear first casts its input to
+        autocast's dtype, which the counter (playing autocast on meta tensors) does for it."""
+        import torch
+        model = self.prepare(model, recipe)
+        low = getattr(torch, self.autocast)
+        for _, m in _converted_layers(model):
+            m.register_forward_pre_hook(lambda mod, args: (args[0].to(low), *args[1:]))
+        return model
+
+    def check(self, variant: str, recipe: str | None, device: str) -> None:
+        recipe = recipe or self.default_recipe
+        if device == "cpu" and recipe not in self.cpu_recipes:
+            raise ConfigError(f"params.yaml: variants.{variant}.fp8_recipe = {recipe!r} cannot run on a CPU (its "
+                              "high-precision gradient GEMM fails under CPU bf16 autocast); use "
+                              f"{' or '.join(self.cpu_recipes)} here, or run on a GPU")
+
+    def warnings(self, census: dict, compiled: bool, device: str, model_name: str) -> list[str]:
+        out = []
+        if not census["called"]:
+            out.append(f"{self.name} converts no layer of this model ({model_name}: no Linear layer it calls has "
+                       f"both dimensions multiples of {MULTIPLE}); it would measure bf16")
+        if census["called"] and max(census["widest"]) < SMALL_GEMM:
+            census["small_gemms"] = (f"its widest fp8 layer is {census['widest'][0]}x{census['widest'][1]}: "
+                                     f"{SMALL_GEMM_NOTE}, so expect fp8 no faster than bf16 here")
+            out.append(f"{self.name} on this model: {census['small_gemms']}")
+        if not compiled:
+            out.append(f"precision {self.name} with train.compile: false: torchao's float8 training is fast only "
+                       "under torch.compile (which fuses its scaling and casts); set train.compile: true")
+        if device == "cpu":
+            out.append(f"{self.name} on a CPU is emulated (torch._scaled_mm's CPU path; Float8Linear follows CUDA "
+                       "autocast only, so its inputs stay fp32): it shows that fp8 training runs, not what fp8 buys, "
+                       "and it is not the GPU's fp8 tensor-core path")
+        return out
+
+    def census_summary(self, census: dict) -> str:
+        """env_check's line on what it converts."""
+        called = census["called"]
+        return (f"{self.name} ({census['recipe']}) runs {len(called)} of the model's layers in float8 "
+                f"({census['flop_share']:.0%} of its forward FLOPs)"
+                + (f": {', '.join(called[:6])}" + (", ..." if len(called) > 6 else "") if called else ""))
+
+    def census_lines(self, census: dict) -> list[str]:
+        if census.get("error"):
+            return ["", f"What {self.name} converts could not be counted: {census['error']}."]
+        if not census["called"]:
+            return ["", f"{self.name} converts no layer of this model (no Linear layer it calls has both dimensions "
+                    f"multiples of {MULTIPLE}), so its {self.name} variants measure bf16."]
+        text = (f"{self.name} ({census['recipe']}) runs {len(census['called'])} Linear layers in float8, "
+                f"{census['flop_share']:.0%} of the model's forward FLOPs (counted by forward hooks on the layers a "
+                "forward pass calls); the rest stays bf16.")
+        if census.get("small_gemms"):
+            text += f" On this model {census['small_gemms']}."
+        return ["", text]
+
+    def runs_note(self, runs: list[tuple[str, dict]]) -> str:
+        """The report's numerics note on its runs (summary rows)."""
+        def count(n) -> str:
+            return "missing" if n is None else format(n, "d")
+        return (f"{self.name} has no loss scale: before each fp8 GEMM torchao scales the tensor to fp8's range (e4m3 "
+                "up to 448, e5m2 for gradients in the tensorwise recipe) from its current absolute maximum ("
+                + ", ".join(f"`{n}`: {r.get('fp8_recipe')} scaling, {count(r.get('fp8_layers'))} Linear "
+                            "layers converted" for n, r in runs)
+                + "); the rest of the model runs under bf16 autocast. The fp16 audit below does not apply to it.")
+
+
+RUNGS = [
+    Float8("fp8", "FP8", autocast="bfloat16", datasheet="fp8", gate="fp8_supported",
+           gate_fix="fp8 tensor cores need compute capability 8.9 or later (Ada, Hopper, Blackwell); remove that "
+                    "variant, or use bf16",
+           recipes=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+           cpu_recipes=("tensorwise", "rowwise"),  # rowwise_with_gw_hp's bf16 gradient GEMM fails under CPU autocast
+           emulated_on_cpu=True, always_counted=False, scaling_files=SCALING_FILES),
+]

@@ -1,0 +1,70 @@
+"""How a run applies its precision: the autocast context, the GradScaler, the TF32 switches.
+
+The engine asks a ``PrecisionPolicy`` for an autocast context and a scaler; a disabled scaler is a no-op, so the
+loop has one code path for every precision. What each precision means is its rung's (``ampbench.precision``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ampbench.config import AmpConfig
+from ampbench.precision import RUNGS, Rung
+
+
+def dtype(name: str) -> torch.dtype:
+    """The dtype a precision computes its autocast-eligible ops in (fp32 for one with no autocast)."""
+    a = RUNGS[name].autocast
+    return getattr(torch, a) if a else torch.float32
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    precision: str          # a registered rung
+    device_type: str        # cuda | cpu
+    amp: AmpConfig | None   # GradScaler settings, used only by a precision that needs a scaler
+    fp8_recipe: str | None = None  # a converting rung's recipe
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """The model as this precision trains it (a converting rung: its eligible layers converted)."""
+        return self.spec.prepare(model, self.fp8_recipe)
+
+    @property
+    def spec(self) -> Rung:
+        return RUNGS[self.precision]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return dtype(self.precision)
+
+    @property
+    def uses_autocast(self) -> bool:
+        return self.spec.autocast is not None
+
+    @property
+    def uses_scaler(self) -> bool:
+        return self.spec.grad_scaler
+
+    def autocast(self) -> AbstractContextManager:
+        """The forward-pass context: autocast to the precision's dtype, or a disabled one."""
+        return torch.autocast(self.device_type, dtype=self.dtype if self.uses_autocast else None,
+                              enabled=self.uses_autocast)
+
+    def scaler(self) -> torch.amp.GradScaler:
+        """A GradScaler from params.yaml's ``amp`` section; disabled (a no-op) unless the precision needs one."""
+        if not self.uses_scaler:
+            return torch.amp.GradScaler(self.device_type, enabled=False)
+        a = self.amp or AmpConfig()
+        return torch.amp.GradScaler(self.device_type, init_scale=a.init_scale, growth_factor=a.growth_factor,
+                                    backoff_factor=a.backoff_factor, growth_interval=a.growth_interval)
+
+
+def micro_batch_size(batch_size: int, accum_steps: int) -> int:
+    """The micro-batch of an accumulating variant; the effective batch stays ``batch_size``."""
+    if accum_steps < 1 or batch_size % accum_steps:
+        raise ValueError(f"accum_steps={accum_steps} must divide batch_size={batch_size}")
+    return batch_size // accum_steps
