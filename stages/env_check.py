@@ -20,6 +20,20 @@ from ampbench.measure import roofline
 from ampbench.results import atomic_write
 
 
+def micro_batches(cfg: config.Config, rung: str) -> dict[str, int]:
+    """Where params.yaml sets each micro-batch precision ``rung`` trains on (its variants', the sweep's points) ->
+    its images."""
+    out = {}
+    for name, v in cfg.variants.items():
+        if v.precision == rung:
+            world = config.variant_world(cfg, name)
+            out[f"train.batch_size = {cfg.train.batch_size} over variants.{name}.accum_steps = {v.accum_steps}"
+                + (f" and {world} processes" if world > 1 else "")] = cfg.train.batch_size // (world * v.accum_steps)
+    if cfg.sweep.enabled and rung in config.sweep_precisions(cfg):
+        out.update({f"sweep.batch_sizes ({b})": b for b in cfg.sweep.batch_sizes})
+    return out
+
+
 def census(cfg: config.Config, device: str, image_size: int, num_classes: int) -> tuple[dict, list[str]]:
     """What each converting rung the variants train in converts in this model (counted by forward hooks), by
     rung, and what to warn of; a recipe that cannot run on this device stops here."""
@@ -38,6 +52,7 @@ def census(cfg: config.Config, device: str, image_size: int, num_classes: int) -
         if counted is None:  # training converts the model itself; the report says what could not be counted
             found[p] = {"error": why}
             continue
+        rung.check_batches(counted, micro_batches(cfg, p))
         warnings += rung.warnings(counted, cfg.train.compile, device, models.name(cfg.model))
         found[p] = counted
     return found, warnings

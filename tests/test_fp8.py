@@ -106,31 +106,44 @@ def test_env_check_says_what_fp8_converts_and_warns_where_it_cannot_pay(tmp_path
 
 
 @pytest.mark.slow
-def test_fp8_runs_through_dvc_repro_on_vit_tiny(tmp_path):
-    """fp32 and fp8 variants of vit_tiny through the real pipeline: every stage, the profile's fp8 GEMMs in
-    conv/matmul, the sweep for both, and the report's fp8 lines (tf32, bf16 and fp16 through dvc repro:
+def test_fp8_and_mxfp8_run_through_dvc_repro_on_vit_tiny(tmp_path):
+    """fp32, fp8 and mxfp8 variants of vit_tiny through the real pipeline: every stage, the profile's fp8 GEMMs in
+    conv/matmul, the sweep for each, the report's lines on both, and mxfp8 (a rung added as one module: the
+    registry's proof) with every analysis made and its weights saved plain (tf32, bf16 and fp16 through dvc repro:
     test_pipeline; the five rungs side by side in the report: test_report)."""
+    import json
+
     from ampbench import sandbox
     from tests.conftest import SHRINK
     params = sandbox.merge(copy.deepcopy(yaml.safe_load((REPO_ROOT / "params.yaml").read_text())), SHRINK)
-    params = sandbox.merge(params, {
-        "data": {"train_size": 32, "test_size": 32}, "model": {"arch": "vit_tiny", "input_size": 16},
-        "train": {"batch_size": 16, "warmup_steps": 1, "eval_batch_size": 32},
-        "amp": {"audit_batches": 0}, "profile": {"steps": 1}, "sweep": {"batch_sizes": [8], "steps": 1},
+    params = sandbox.merge(params, {  # vit_tiny at 16x16: 17 tokens, so mxfp8's micro-batch is a multiple of 32
+        "data": {"train_size": 64, "test_size": 32}, "model": {"arch": "vit_tiny", "input_size": 16},
+        "train": {"batch_size": 32, "warmup_steps": 1, "eval_batch_size": 32},
+        "amp": {"audit_batches": 0}, "profile": {"steps": 1}, "sweep": {"batch_sizes": [32], "steps": 1},
         "mlflow": {"enabled": False}})
-    params["variants"] = {"fp32": {"precision": "fp32"}, "fp8": {"precision": "fp8", "fp8_recipe": "tensorwise"}}
+    params["variants"] = {"fp32": {"precision": "fp32"}, "fp8": {"precision": "fp8", "fp8_recipe": "tensorwise"},
+                          "mx": {"precision": "mxfp8", "fp8_recipe": "mxfp8_emulated_rceil"}}
     repo = sandbox.create(tmp_path / "repo", params)
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=sandbox.env_with_venv(),
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fp8 (tensorwise) runs 12 of the model's layers in float8" in proc.stdout
-    import json
+    assert "mxfp8 (mxfp8_emulated_rceil) runs 18 of the model's layers in MX fp8" in proc.stdout
+    assert "could not be made" not in proc.stdout, proc.stdout[-3000:]  # every analysis made, for mxfp8 too
     r = repo / "reports"
-    fp8 = json.loads((r / "runs" / "fp8" / "metrics.json").read_text())
+    runs = {v: json.loads((r / "runs" / v / "metrics.json").read_text()) for v in params["variants"]}
+    fp8, mx = runs["fp8"], runs["mx"]
     assert fp8["precision"] == "fp8" and fp8["fp8_layers"] == 18 and fp8["fp8_recipe"] == "tensorwise"
     assert "fp8" in fp8["profile"]["categories"]["conv/matmul"]["dtypes"]  # aten::_scaled_mm, not "other"
+    assert mx["precision"] == "mxfp8" and mx["fp8_layers"] == 18 and mx["fp8_recipe"] == "mxfp8_emulated_rceil"
+    assert mx["peak_precision"] == "mxfp8" and mx["nonfinite_loss_steps"] == 0 and mx["activation_bytes"] > 0
+    # the FLOPs counted on the model unconverted (MX refuses 8 images x 17 tokens): the same as fp32's
+    assert mx["train_flops_per_image"] == fp8["train_flops_per_image"] == runs["fp32"]["train_flops_per_image"]
+    state = torch.load(r / "runs" / "mx" / "model.pt", weights_only=True)["state_dict"]
+    assert all(type(t) is torch.Tensor for t in state.values())  # plain tensors: loads anywhere, LoggedModel too
     sweep = json.loads((r / "sweep" / "sweep.json").read_text())
-    assert {p["variant"] for p in sweep["points"]} == {"fp32", "fp8"}
+    assert {p["variant"] for p in sweep["points"]} == {"fp32", "fp8", "mxfp8"}
     md = (r / "report.md").read_text()
-    assert "fp8 (FP8)" in md.split("## ")[0] and "| fp8 | fp8 | 1 |" in md
+    assert "fp8 (FP8)" in md.split("## ")[0] and "| fp8 | fp8 | 1 |" in md and "| mx | mxfp8 | 1 |" in md
     assert "fp8 has no loss scale" in md and "fp8 (tensorwise) runs 12 Linear layers in float8" in md
+    assert "mxfp8 (mxfp8_emulated_rceil) runs 18 Linear layers in MX fp8" in md and "mxfp8 has no loss scale" in md

@@ -102,7 +102,7 @@ def test_datasheet_peaks():
 
 def test_what_a_precision_means_is_said_once():
     from ampbench import config, precision
-    assert precision.names() == ("fp32", "tf32", "fp16", "bf16", "fp8")  # the ladder, in order, one rung each
+    assert precision.names() == ("fp32", "tf32", "fp16", "bf16", "fp8", "mxfp8")  # the ladder, in order
     assert config.Variant.__dataclass_fields__["precision"].metadata["choices"]() == precision.names()
     assert [precision.datasheet_column(p) for p in ("fp32", "tf32", "fp16", "bf16")] == ["fp32", "tf32", "fp16", "bf16"]
     assert [precision.spec(p).tf32 for p in ("fp32", "tf32", "fp16", "bf16")] == [False, True, False, False]

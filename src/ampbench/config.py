@@ -146,7 +146,7 @@ class Variant:
     accum_steps: int = _opt(1, lo=1)                   # micro-batches per optimizer step
     ddp: bool = True              # false: one process even when distributed.nproc_per_node > 1 (the scaling baseline)
     grad_comm: str = _opt("", choices=("", *GRAD_COMMS))  # "" = distributed.grad_comm
-    fp8_recipe: str = _opt("tensorwise", choices=_recipes)  # fp8 only: torchao's scaling recipe
+    fp8_recipe: str = _opt("", choices=lambda: ("", *_recipes()))  # fp8, mxfp8: its recipe; "" = its default
     optimizer_impl: str = _opt("", choices=("", *OPTIMIZER_IMPLS))  # "" = train.optimizer_impl
 
 
@@ -272,6 +272,11 @@ def _build_variants(raw: Any, path: str) -> dict[str, Variant]:
 def _cross_check(cfg: Config) -> None:
     nproc = cfg.distributed.nproc_per_node
     for name, v in cfg.variants.items():
+        own = precision.rung(v.precision).recipes
+        if v.fp8_recipe and v.fp8_recipe not in own:
+            raise ConfigError(f"{_where(f'variants.{name}.fp8_recipe', v.fp8_recipe)} is not a recipe of precision "
+                              f"{v.precision}; " + (f"choose one of: {' | '.join(own)}, or \"\" for {own[0]}" if own
+                                                    else "it takes none: delete fp8_recipe"))
         if cfg.train.batch_size % v.accum_steps:
             raise ConfigError(
                 f"params.yaml: variants.{name}.accum_steps = {v.accum_steps} does not divide "

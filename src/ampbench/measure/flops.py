@@ -43,7 +43,8 @@ _AMPERE = "NVIDIA Ampere GA102 GPU architecture whitepaper (FP32-accumulate tens
 # name pattern (first match wins: the specific before the general) -> name, cited source, GB/s, dense TFLOP/s
 DATASHEET = [
     (r"\bB200\b", _row("B200", "NVIDIA HGX B200 datasheet, per GPU (600 TF FP32, 18 PF TF32*, 36 PF FP16*, "
-                        "72 PF FP8* for 8)", 8000, fp32=75.0, tf32=1125.0, fp16=2250.0, fp8=4500.0)),
+                        "72 PF FP8* for 8; MXFP8 at the FP8 rate)", 8000, fp32=75.0, tf32=1125.0, fp16=2250.0,
+                        fp8=4500.0, mxfp8=4500.0)),
     (r"H200 NVL", _row("H200 NVL", _H200, 4800, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
     (r"H200", _row("H200", _H200 + " (SXM)", 4800, fp32=67.0, tf32=494.7, fp16=989.4, fp8=1978.9)),
     (r"H100 NVL", _row("H100 NVL", _HOPPER, 3900, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),

@@ -31,25 +31,40 @@ def peak_memory(device: torch.device | str) -> dict:
     return {"peak_mem_bytes": rss_bytes, "peak_reserved_bytes": None, "mem_meter": "process_peak_rss"}
 
 
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding ``t``'s memory: itself, or a wrapper subclass's inner tensors, recursively."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [u for name in names for u in _plain(getattr(t, name))]
+
+
 class SavedTensorMeter:
     """Bytes of tensors autograd saves for backward (activation memory) while active.
 
     Each storage is counted once, however many saved tensors view it, so the
-    count is the memory those activations really hold.
+    count is the memory those activations really hold. A tensor subclass is counted by the plain tensors inside it,
+less those of the weights it wraps (``exclude``: the model's parameters).
     """
 
-    def __init__(self):
+    def __init__(self, exclude=()):
         self.bytes = 0
         self.count = 0
         self._seen: set[int] = set()
+        self._weights = {u.untyped_storage().data_ptr() for t in exclude for u in _plain(t)}
 
     def _pack(self, t: torch.Tensor):
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key not in self._seen and not isinstance(t, torch.nn.Parameter):
-            self._seen.add(key)
-            self.bytes += storage.nbytes()
-            self.count += 1
+        if isinstance(t, torch.nn.Parameter):
+            return t
+        inner = _plain(t)  # a tensor subclass (MX's weight wrapper, its fp8 blocks) holds plain tensors
+        for u in inner:
+            storage = u.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self._seen and not (u is not t and key in self._weights):  # a wrapped weight: no activation
+                self._seen.add(key)
+                self.bytes += storage.nbytes()
+                self.count += 1
         return t
 
     @contextmanager

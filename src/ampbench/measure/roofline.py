@@ -211,9 +211,10 @@ class StepCounter(TorchDispatchMode):
     aten op that results (the casts as "cast") in ``phase``, which the step sets: forward, backward, optimizer.
     """
 
-    def __init__(self, low: torch.dtype | None, scaling_files: tuple[str, ...] = ()):
+    def __init__(self, low: torch.dtype | None, scaling_files: tuple[str, ...] = (), block_fp8=None):
         super().__init__()
         self.low, self.phase, self.ops, self.scaling_files = low, "forward", [], scaling_files
+        self.block_fp8 = block_fp8  # (shape, shape) -> whether a GEMM runs in block-scaled fp8 (mxfp8)
         self._autocast = _Autocast(self)
         self._fp8_source_itemsize = 4  # the element size of the tensor fp8 last took an amax of
 
@@ -248,12 +249,27 @@ class StepCounter(TorchDispatchMode):
             if not moved:
                 return out
             name = "fp8 scaling and cast"
+        mats = [t for t in tensors if t.dim() == 2]
+        if flops and self.block_fp8 and len(mats) >= 2 and self.block_fp8(tuple(mats[-2].shape), tuple(mats[-1].shape)):
+            self._block_fp8_gemm(name, flops, tensors, mats[-2:], outs)
+            return out
         floating = [t for t in tensors if t.is_floating_point()]
         fp8 = [d for d in map(_float8_data, floating) if d is not None]
         dtype = fp8[0].dtype if fp8 else floating[0].dtype if floating else (outs[0].dtype if outs else torch.float32)
         op_name = "cast" if name == "_to_copy" else name
         self.ops.append(Op(op_name, str(dtype).removeprefix("torch."), flops, float(moved), self.phase))
         return out
+
+    def _block_fp8_gemm(self, name: str, flops: float, tensors: list, operands: list, outs: list) -> None:
+        """A GEMM in block-scaled fp8 (MX): each operand cast first (read in its dtype, written as fp8 with one
+        e8m0 scale per 32 values), then the GEMM reads those and writes its output in its own dtype."""
+        block = 1 + 1 / 32  # an fp8 byte per value and a scale byte per block
+        for t in operands:
+            self.ops.append(Op("fp8 block cast", str(t.dtype).removeprefix("torch."), 0.0,
+                               float(_bytes(t) + t.numel() * block), self.phase))
+        rest = sum(_bytes(t) for t in tensors if not any(t is o for o in operands)) + sum(_bytes(t) for t in outs)
+        self.ops.append(Op(name, "float8_e4m3fn", flops, float(sum(t.numel() for t in operands) * block + rest),
+                           self.phase))
 
     def _fused_float8_bytes(self, name: str, tensors: list, outs: list) -> float:
         """fp8's scaling as torch.compile fuses it: an amax pass reads the tensor, the cast reads it again and
@@ -292,6 +308,7 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     from ampbench.precision import spec
 
     rung = spec(precision)
+    block_fp8 = rung.converted_gemms(model)
     model = rung.roofline_model(model, fp8_recipe).to("meta")
     x, y = x.to("meta"), y.to("meta")
     opt = make_optimizer(model.parameters())
@@ -311,9 +328,9 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         opt.step()
 
     fuse = rung.scaling_files
-    with StepCounter(low, fuse) as first:  # the optimizer's state made; counted too, so an op that cannot be is named
+    with StepCounter(low, fuse, block_fp8) as first:  # the optimizer's state made; counted too: a failure is named
         step(first)
-    with StepCounter(low, fuse) as counter:
+    with StepCounter(low, fuse, block_fp8) as counter:
         step(counter)
     return counter.ops
 

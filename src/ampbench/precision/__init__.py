@@ -7,6 +7,8 @@ Each family of rungs is one module of this package; ``FAMILIES`` names them, one
 - ``autocast``: fp16 (``torch.amp.autocast`` to float16 plus ``GradScaler``: fp16's narrow range lets small
   gradients underflow) and bf16 (autocast to bfloat16, no scaler: needs native bf16).
 - ``float8``: fp8, torchao's float8 training of the Linear layers it can convert, the rest in bf16 autocast.
+- ``mxfp8``: mxfp8, torchao's MX training: fp8 in blocks of 32 values with a shared scale, in every GEMM of the
+  Linear layers it can convert (Blackwell, compute capability 10.x).
 
 A rung (``Rung``) owns its autocast dtype, its GradScaler, how it converts a model and what it converts (the
 census), its capability gate and the fix, its datasheet column, what the roofline counts it in, its recipes and
@@ -27,6 +29,7 @@ FAMILIES = [
     "ampbench.precision.ieee",
     "ampbench.precision.autocast",
     "ampbench.precision.float8",
+    "ampbench.precision.mxfp8",
 ]
 
 BASELINE = "fp32"  # strict IEEE fp32: what every speedup is measured against
@@ -83,8 +86,16 @@ class Rung:
         """The model the roofline counts (on meta tensors): prepared as training prepares it."""
         return self.prepare(model, recipe)
 
+    def converted_gemms(self, model):
+        """For a rung the roofline counts unconverted: a function of a GEMM's two operand shapes that says whether
+        the conversion runs it in fp8 (in blocks: the operands cast to fp8 with a scale per 32 values); None."""
+        return None
+
     def check(self, variant: str, recipe: str | None, device: str) -> None:
         """A ConfigError if this rung cannot run ``recipe`` on ``device`` (before anything is written)."""
+
+    def check_batches(self, census: dict, batches: dict[str, int]) -> None:
+        """A ConfigError if a micro-batch (``batches``: where params.yaml sets it -> images) cannot run converted."""
 
     def warnings(self, census: dict, compiled: bool, device: str, model_name: str) -> list[str]:
         """What to tell a user about this rung on this model and device, before training."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ampbench.errors import ConfigError
-from ampbench.precision import Rung
+from ampbench.precision.linear import LinearRung, layer_count
 
 MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each fp8 GEMM to be multiples of 16
 SMALL_GEMM = 2048  # below this on every side, fp8's scaling and casts outweigh its faster GEMM (torchao's benchmark)
@@ -75,7 +75,7 @@ def layers(model, recipe: str, image_size: int) -> dict:
 
 
 @dataclass(frozen=True)
-class Float8(Rung):
+class Float8(LinearRung):
     def prepare(self, model, recipe: str | None = None):
         return convert(model, recipe or self.default_recipe)
 
@@ -84,12 +84,6 @@ class Float8(Rung):
 
     def converted(self, model) -> int:
         return len(_converted_layers(model))
-
-    def measured_column(self, converted: int | None) -> str:
-        return self.datasheet if converted else "bf16"  # a run that converted nothing ran in bf16
-
-    def runs_on(self, row: dict) -> bool:
-        return bool(row.get(self.datasheet))  # without fp8 tensor cores, not at all, whatever the model
 
     def roofline_model(self, model, recipe: str | None):
         """Converted as training converts it; under CUDA autocast a Float8Linear first casts its input to
@@ -109,10 +103,7 @@ class Float8(Rung):
                               f"{' or '.join(self.cpu_recipes)} here, or run on a GPU")
 
     def warnings(self, census: dict, compiled: bool, device: str, model_name: str) -> list[str]:
-        out = []
-        if not census["called"]:
-            out.append(f"{self.name} converts no layer of this model ({model_name}: no Linear layer it calls has "
-                       f"both dimensions multiples of {MULTIPLE}); it would measure bf16")
+        out = [] if census["called"] else [self.no_layer(model_name)]
         if census["called"] and max(census["widest"]) < SMALL_GEMM:
             census["small_gemms"] = (f"its widest fp8 layer is {census['widest'][0]}x{census['widest'][1]}: "
                                      f"{SMALL_GEMM_NOTE}, so expect fp8 no faster than bf16 here")
@@ -126,33 +117,11 @@ class Float8(Rung):
                        "and it is not the GPU's fp8 tensor-core path")
         return out
 
-    def census_summary(self, census: dict) -> str:
-        """env_check's line on what it converts."""
-        called = census["called"]
-        return (f"{self.name} ({census['recipe']}) runs {len(called)} of the model's layers in float8 "
-                f"({census['flop_share']:.0%} of its forward FLOPs)"
-                + (f": {', '.join(called[:6])}" + (", ..." if len(called) > 6 else "") if called else ""))
-
-    def census_lines(self, census: dict) -> list[str]:
-        if census.get("error"):
-            return ["", f"What {self.name} converts could not be counted: {census['error']}."]
-        if not census["called"]:
-            return ["", f"{self.name} converts no layer of this model (no Linear layer it calls has both dimensions "
-                    f"multiples of {MULTIPLE}), so its {self.name} variants measure bf16."]
-        text = (f"{self.name} ({census['recipe']}) runs {len(census['called'])} Linear layers in float8, "
-                f"{census['flop_share']:.0%} of the model's forward FLOPs (counted by forward hooks on the layers a "
-                "forward pass calls); the rest stays bf16.")
-        if census.get("small_gemms"):
-            text += f" On this model {census['small_gemms']}."
-        return ["", text]
-
     def runs_note(self, runs: list[tuple[str, dict]]) -> str:
         """The report's numerics note on its runs (summary rows)."""
-        def count(n) -> str:
-            return "missing" if n is None else format(n, "d")
         return (f"{self.name} has no loss scale: before each fp8 GEMM torchao scales the tensor to fp8's range (e4m3 "
                 "up to 448, e5m2 for gradients in the tensorwise recipe) from its current absolute maximum ("
-                + ", ".join(f"`{n}`: {r.get('fp8_recipe')} scaling, {count(r.get('fp8_layers'))} Linear "
+                + ", ".join(f"`{n}`: {r.get('fp8_recipe')} scaling, {layer_count(r.get('fp8_layers'))} Linear "
                             "layers converted" for n, r in runs)
                 + "); the rest of the model runs under bf16 autocast. The fp16 audit below does not apply to it.")
 
@@ -163,5 +132,6 @@ RUNGS = [
                     "variant, or use bf16",
            recipes=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
            cpu_recipes=("tensorwise", "rowwise"),  # rowwise_with_gw_hp's bf16 gradient GEMM fails under CPU autocast
-           emulated_on_cpu=True, always_counted=False, scaling_files=SCALING_FILES),
+           emulated_on_cpu=True, always_counted=False, scaling_files=SCALING_FILES, multiple=MULTIPLE,
+           census_how=" (counted by forward hooks on the layers a forward pass calls)"),
 ]

@@ -74,3 +74,17 @@ def clear(folder: Path) -> None:
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     (folder / "COMPLETE").write_text("The run finished and its results are on disk: nothing to resume.\n")
+
+
+def plain_state(state_dict: dict) -> dict:
+    """A model's state with its tensors plain: a weight a rung wraps in a tensor subclass (MX training's) is saved
+    as the plain tensor it holds, so the file loads with ``weights_only`` and into an unconverted model."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    def plain(t):
+        if not is_traceable_wrapper_subclass(t):
+            return t
+        names, _ = t.__tensor_flatten__()
+        inner = [getattr(t, n) for n in names]
+        return inner[0].detach() if len(inner) == 1 and inner[0].shape == t.shape else t
+    return {k: plain(v) if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}

@@ -26,7 +26,7 @@ from ampbench.errors import AmpbenchError, NonFiniteTraining, analysis
 from ampbench.measure import clock, flops, memory
 from ampbench.precision import tf32_flags
 from ampbench.runplan import RunPlan
-from ampbench.train import distributed, numerics, probes, setup, step
+from ampbench.train import checkpoint, distributed, numerics, probes, setup, step
 from ampbench.train.policy import PrecisionPolicy, micro_batch_size
 
 
@@ -112,7 +112,8 @@ class Trainer:
             if plan.accum_steps > 1 else None
         self.activation_bytes = self.analysis("activations", probes.activation_bytes, self.model, x[:self.micro],
                                               self.policy)
-        self.flops_per_image = self.analysis("flops", flops.train_flops_per_image, self.model, x[:8], y[:8])
+        self.flops_per_image = self.analysis("flops", flops.train_flops_per_image,
+                                             setup.flops_model(s, data["meta"], device), x[:8], y[:8])
         self.step_model = s.step_model
         memory.reset_peak_memory(device)  # before training: what the probes left is not training's
         # CUDA peaks by phase: steady-state training steps (from each process's second step, after cuDNN has
@@ -326,7 +327,7 @@ class Trainer:
         loss_sum, seen = self.world.reduce([self.loss_sum.item(), self.seen])
         state["seen"] = int(seen)
         peaks = self.peaks.from_flat(self.world.reduce(self.peaks.flat(), "max"))  # every rank's largest
-        state.update(clock=self.clock.state_dict(), peaks=peaks, model=self.model.state_dict(),
+        state.update(clock=self.clock.state_dict(), peaks=peaks, model=checkpoint.plain_state(self.model.state_dict()),
                      opt=self.opt.state_dict(), sched=self.sched.state_dict(), scaler=self.scaler.state_dict(),
                      loss_sum=loss_sum,
                      rng_cpu=torch.get_rng_state(),

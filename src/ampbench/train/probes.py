@@ -33,10 +33,19 @@ def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 
 def activation_bytes(model: torch.nn.Module, x: torch.Tensor, policy: PrecisionPolicy) -> int:
-    """Bytes autograd saves for backward in one forward pass of ``x`` (on a copy, so BN stats stay put)."""
-    probe = copy.deepcopy(model).train()
-    meter = memory.SavedTensorMeter()
-    with meter.measure(), policy.autocast():
-        out = probe(x)
-    del out, probe
+    """Bytes autograd saves for backward in one forward pass of ``x`` in training mode. The model's buffers
+    (BatchNorm's running statistics) and mode are put back after it; no copy of the model is made (a weight MX
+    training wraps cannot be deep-copied once it has run, and a copy would double the model's memory)."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    was_training = model.training
+    meter = memory.SavedTensorMeter(exclude=list(model.parameters()))
+    try:
+        with meter.measure(), policy.autocast():
+            out = model.train()(x)
+        del out
+    finally:
+        with torch.no_grad():
+            for b, kept in buffers:
+                b.copy_(kept)
+        model.train(was_training)
     return meter.bytes

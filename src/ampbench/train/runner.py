@@ -102,7 +102,8 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
         raise stopped from None
     result = run_result(trainer)
     if world.main:  # the weights as trained: the profile below takes further steps
-        result.weights = {k: v.detach().to("cpu", copy=True) for k, v in trainer.model.state_dict().items()}
+        result.weights = {k: v.detach().to("cpu", copy=True)
+                          for k, v in checkpoint.plain_state(trainer.model.state_dict()).items()}
     # analyses after training (never inside a timed step): one that fails is a warning and a line in the report
     if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model, which writes the result
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))

@@ -147,3 +147,13 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     opt = optimizer(plan, model.parameters())
     return Setup(plan=plan, policy=policy, model=model, opt=opt, scaler=policy.scaler(),
                  step_model=distributed.step_model(model, world, plan), input_size=input_size)
+
+
+def flops_model(s: Setup, meta: dict, device: torch.device) -> torch.nn.Module:
+    """The model its FLOPs are counted on: the one trained, or for a rung that converts layers a fresh build left
+    unconverted (the same FLOPs; a converted model's fp8 GEMMs refuse a count's small batch: MX everywhere, CUDA's
+    fp8 where images x tokens is not a multiple of 16)."""
+    if not s.policy.spec.converts:
+        return s.model
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's draws unchanged
+        return models.build(s.plan.model, num_classes=meta["num_classes"], image_size=s.input_size, device=device)

@@ -1,0 +1,185 @@
+"""mxfp8: torchao's MX training (``MXFP8TrainingOpConfig``, applied with ``quantize_``) of the Linear layers whose
+dimensions allow it; the rest in bf16 autocast. Each GEMM operand is cast to float8 e4m3 in blocks of 32 values
+that share one power-of-two (e8m0) scale, in all three GEMMs of a Linear: the forward, the input's gradient and the
+weight's gradient. So in_features, out_features and the rows of each micro-batch (images x tokens) must be
+multiples of 32 (torchao asserts it, emulated too).
+
+Recipes (torchao's ``MXFP8TrainingRecipe``): mxfp8_rceil (MX kernels, rounding the scale up), mxfp8_rceil_wgrad_with_hp
+(the weight's gradient in bf16), mxfp8_emulated_rceil (plain PyTorch ops: any device, slowly; the only one a CPU
+runs). torchao's MX kernels run on compute capability 10.x (B200); on 12.x (RTX 5090, RTX PRO 6000) they are not
+measured here, so the rung and its datasheet column are n/a there until they are.
+
+Unlike fp8's ``Float8Linear``, MX wraps the layer's weight: every ``F.linear`` on it runs in MX, also where a parent
+uses the weight directly (torchvision's attention with ``out_proj``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ampbench.errors import ConfigError
+from ampbench.precision.linear import LinearRung, layer_count
+
+BLOCK = 32  # values per shared scale; every dimension of every MX GEMM is a multiple of it
+EMULATED = "mxfp8_emulated_rceil"
+
+
+def eligible(module, fqn: str = "") -> bool:
+    """A Linear layer MX training can convert: both of its dimensions multiples of 32."""
+    from torch import nn
+    return isinstance(module, nn.Linear) and module.in_features % BLOCK == 0 and module.out_features % BLOCK == 0
+
+
+def convert(model, recipe: str):
+    """torchao's MX training on ``model``'s eligible Linear layers, in place, with ``recipe``."""
+    from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+    from torchao.quantization import quantize_
+    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe)), filter_fn=eligible)
+    return model
+
+
+def _wrapped(module) -> bool:
+    w = getattr(module, "weight", None)
+    return w is not None and type(w.data).__name__ == "MXFP8TrainingWeightWrapperTensor"
+
+
+def layers(model, recipe: str, image_size: int) -> dict:
+    """What MX converts in ``model``, found on an unconverted meta copy (the same layers, with no MX op run): the
+    eligible Linear layers whose weight a forward pass multiplies by (through the layer or through its parent),
+    their share of the forward FLOPs, the widest, and the rows per image of each (tokens: the micro-batch rule)."""
+    import copy
+    import inspect
+
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode, redispatch_function
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = copy.deepcopy(model).to("meta") if any(not p.is_meta for p in model.parameters()) else model
+    weights = {id(m.weight): (name, m) for name, m in model.named_modules() if eligible(m)}
+    called: dict[str, float] = {}
+    rows: dict[str, int] = {}
+
+    class Linears(TorchFunctionMode):
+        """Sees every F.linear, also inside a Python function that takes tensors (F.multi_head_attention_forward
+        with ``out_proj.weight``): a mode is off while it handles a call, so it runs such a function one dispatch
+        level down with itself on (the ops inside are seen), a builtin as it is."""
+
+        def __init__(self):
+            super().__init__()
+            self.calling: list = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.linear:
+                weight = args[1] if len(args) > 1 else kwargs.get("weight")
+                if id(weight) in weights:
+                    name, m = weights[id(weight)]
+                    n = args[0].numel() // m.in_features
+                    called[name] = called.get(name, 0.0) + 2.0 * n * m.in_features * m.out_features
+                    rows[name] = n // 2  # per image of the batch of 2 below
+                return func(*args, **kwargs)
+            # a builtin has nothing inside to see; a Tensor method written in Python that calls its C self
+            # (``super().unflatten``) comes back here as itself, and runs
+            if not inspect.isfunction(func) or self.calling[-1:] == [func]:
+                return func(*args, **kwargs)
+            self.calling.append(func)
+            try:
+                with self:
+                    return redispatch_function(func, types, args, kwargs)
+            finally:
+                self.calling.pop()
+
+    x = torch.zeros(2, 3, image_size, image_size, device="meta")
+    counter = FlopCounterMode(display=False)
+    with counter, Linears(), torch.no_grad():
+        model.train()(x)
+    total = counter.get_total_flops()
+    shapes = {name: [m.in_features, m.out_features] for name, m in weights.values() if name in called}
+    widest = max(shapes.values(), key=lambda s: s[0] * s[1]) if shapes else None
+    return {"recipe": recipe, "converted": len(weights), "called": sorted(called),
+            "flop_share": sum(called.values()) / total if total else 0.0, "widest": widest,
+            "rows_per_image": sorted(set(rows.values()))}
+
+
+@dataclass(frozen=True)
+class MXFP8(LinearRung):
+    def prepare(self, model, recipe: str | None = None):
+        return convert(model, recipe or self.default_recipe)
+
+    def census(self, model, recipe: str | None, image_size: int) -> dict:
+        return layers(model, recipe or self.default_recipe, image_size)
+
+    def converted(self, model) -> int:
+        return sum(_wrapped(m) for m in model.modules())
+
+    def peak_column(self, op_dtype: str, row: dict) -> str | None:
+        return self.datasheet if op_dtype.startswith("float8") else super().peak_column(op_dtype, row)
+
+    def roofline_model(self, model, recipe: str | None):
+        return model  # counted unconverted (MX ops do not run on meta tensors); its GEMMs found by shape below
+
+    def converted_gemms(self, model):
+        """Whether a GEMM (its two operands' shapes) is one of a converted layer's three: the forward (rows x in)
+        @ (in x out), the input's gradient (rows x out) @ (out x in), the weight's (out x rows) @ (rows x in)."""
+        pairs = {tuple(sorted((m.in_features, m.out_features))) for m in model.modules() if eligible(m)}
+
+        def is_mx(a: tuple, b: tuple) -> bool:
+            (m, k), n = a, b[-1]
+            return tuple(sorted((k, n))) in pairs or (k % BLOCK == 0 and tuple(sorted((m, n))) in pairs)
+        return is_mx if pairs else None
+
+    def unsupported(self, gpu: dict | None) -> str | None:
+        if gpu is None:
+            return None
+        major = int(str(gpu["capability"]).split(".")[0])
+        if major == 10:
+            return None
+        if major == 12:
+            return (f"precision {self.name} on {gpu['name']} (compute capability {gpu['capability']}): torchao's MX "
+                    "training kernels are built and measured for compute capability 10.x (B200); on 12.x they are "
+                    f"not measured here, so {self.name} is n/a on this GPU until they are; use fp8 or bf16")
+        return (f"a variant asks for precision {self.name} but {gpu['name']} (compute capability {gpu['capability']}) "
+                "has no MX (block-scaled fp8) tensor cores, which need compute capability 10.x (B200); remove that "
+                "variant, or use fp8 (8.9 and later) or bf16")
+
+    def check(self, variant: str, recipe: str | None, device: str) -> None:
+        recipe = recipe or self.default_recipe
+        if device == "cpu" and recipe not in self.cpu_recipes:
+            raise ConfigError(f"params.yaml: variants.{variant}.fp8_recipe = {recipe!r} cannot run on a CPU (torchao's "
+                              f"MX kernels need a GPU); use {' or '.join(self.cpu_recipes)} here, or run on a B200")
+
+    def check_batches(self, census: dict, batches: dict[str, int]) -> None:
+        """Refuse a micro-batch whose rows (images x tokens) are not a multiple of 32 in a converted layer."""
+        per_image = census.get("rows_per_image") or []
+        for where, batch in batches.items():
+            bad = [r for r in per_image if (batch * r) % BLOCK]
+            if bad:
+                import math
+                need = max(BLOCK // math.gcd(BLOCK, r) for r in per_image)
+                raise ConfigError(
+                    f"params.yaml: {where} gives {self.name} micro-batches of {batch} images, {batch} x {bad[0]} = "
+                    f"{batch * bad[0]} rows in a converted layer; MX scales blocks of {BLOCK}, so the rows must be a "
+                    f"multiple of {BLOCK}: make that micro-batch a multiple of {need} images")
+
+    def warnings(self, census: dict, compiled: bool, device: str, model_name: str) -> list[str]:
+        out = [] if census["called"] else [self.no_layer(model_name)]
+        if device == "cpu":
+            out.append(f"{self.name} on a CPU is emulated ({EMULATED}: plain PyTorch ops that quantize and dequantize "
+                       "each block): it shows that MX training runs and what it does to accuracy, not what MX buys")
+        return out
+
+    def runs_note(self, runs: list[tuple[str, dict]]) -> str:
+        return (f"{self.name} has no loss scale either: each block of {BLOCK} values carries its own power-of-two "
+                "scale, set from the block's absolute maximum (" + ", ".join(
+                    f"`{n}`: {r.get('fp8_recipe')}, {layer_count(r.get('fp8_layers'))} Linear layers converted"
+                    for n, r in runs) + "); the rest of the model runs under bf16 autocast.")
+
+
+RUNGS = [
+    MXFP8("mxfp8", "MXFP8", autocast="bfloat16", datasheet="mxfp8",
+          recipes=("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", EMULATED), cpu_recipes=(EMULATED,),
+          emulated_on_cpu=True, always_counted=False, multiple=BLOCK, format_name="MX fp8",
+          reach="it multiplies by",
+          format_how=f" (e4m3 in blocks of {BLOCK} with a shared power-of-two scale, in all three GEMMs)"),
+]

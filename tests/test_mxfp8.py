@@ -1,0 +1,77 @@
+"""mxfp8 (torchao's MX training): the rung added as one module and one registry line. What it converts (also a
+weight a parent multiplies by directly), its roofline on meta tensors with no MX op run, its gate, the micro-batch
+rule (its shrunk `dvc repro` on vit_tiny, beside fp8: test_fp8)."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from ampbench import config, models, precision
+from ampbench.errors import ConfigError
+from ampbench.measure import roofline
+from ampbench.sandbox import REPO_ROOT
+
+MX = precision.rung("mxfp8")
+
+
+def _vit():
+    return models.build_meta(config.ModelConfig(arch="vit_tiny"), num_classes=10, image_size=32)
+
+
+def test_mxfp8_converts_every_linear_its_weight_reaches_and_counts_on_an_unconverted_model():
+    found = MX.census(_vit(), None, 32)
+    # 6 blocks x (mlp.0, mlp.3, out_proj): out_proj's weight is multiplied by in F.multi_head_attention_forward,
+    # which MX's weight wrapper sees (fp8's Float8Linear is not called there: 12)
+    assert found["converted"] == 18 and len(found["called"]) == 18 and found["rows_per_image"] == [65]
+    assert found["recipe"] == "mxfp8_rceil" and found["widest"] == [192, 768] and 0.5 < found["flop_share"] < 0.9
+    assert len(precision.rung("fp8").census(_vit(), None, 32)["called"]) == 12
+    resnet = models.build_meta(config.ModelConfig(arch="resnet18"), num_classes=10, image_size=32)
+    assert MX.census(resnet, None, 32)["called"] == []  # its 512 -> 10 head is no multiple of 32
+    # the roofline: the same FLOPs as bf16, the converted layers' three GEMMs each in fp8 with their block casts
+    x, y = torch.empty(64, 3, 32, 32), torch.zeros(64, dtype=torch.long)
+    opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    ops = {p: roofline.count(copy.deepcopy(_vit()), x, y, p, opt) for p in ("fp32", "bf16", "mxfp8")}
+    fp8 = [op for op in ops["mxfp8"] if op.dtype.startswith("float8")]
+    assert len(fp8) == 18 * 3 and len([op for op in ops["mxfp8"] if op.name == "fp8 block cast"]) == 2 * 18 * 3
+    assert sum(op.flops for op in ops["mxfp8"]) == sum(op.flops for op in ops["bf16"])
+    b200 = roofline.table(ops, roofline.find_gpu("B200"), 64)
+    assert b200["mxfp8"]["vs_fp32"] > 1 and b200["mxfp8"]["step_ms"] != b200["bf16"]["step_ms"]
+    for gpu in ("H100 SXM", "RTX 5090"):  # no MX column: Hopper has none, 12.x is not measured
+        assert roofline.table(ops, roofline.find_gpu(gpu), 64)["mxfp8"] is None
+
+
+def test_mxfp8_gate_recipes_and_micro_batch_rule():
+    assert MX.unsupported({"name": "NVIDIA B200", "capability": "10.0"}) is None and MX.unsupported(None) is None
+    assert "n/a on this GPU until they are" in MX.unsupported({"name": "NVIDIA GeForce RTX 5090", "capability": "12.0"})
+    assert "need compute capability 10.x (B200)" in MX.unsupported({"name": "NVIDIA H100", "capability": "9.0"})
+    MX.check("mx", "mxfp8_emulated_rceil", "cpu")
+    with pytest.raises(ConfigError, match="cannot run on a CPU.*mxfp8_emulated_rceil"):
+        MX.check("mx", "mxfp8_rceil", "cpu")
+    with pytest.raises(ConfigError, match="'rowwise' is not a recipe of precision mxfp8; choose one of: mxfp8_rceil"):
+        config.from_dict({"variants": {"mx": {"precision": "mxfp8", "fp8_recipe": "rowwise"}}})
+    found = MX.census(_vit(), None, 32)
+    MX.check_batches(found, {"train.batch_size": 32})
+    with pytest.raises(ConfigError) as err:
+        MX.check_batches(found, {"train.batch_size = 64 over variants.mx.accum_steps = 4": 16})
+    assert "16 x 65 = 1040 rows" in str(err.value) and "a multiple of 32 images" in str(err.value)
+
+
+def test_env_check_refuses_an_mxfp8_micro_batch_that_breaks_the_block_rule(tmp_path):
+    params = {"device": "cpu", "data": {"source": "synthetic"}, "mlflow": {"enabled": False},
+              "model": {"arch": "vit_tiny"}, "train": {"batch_size": 64}, "sweep": {"enabled": False},
+              "variants": {"mx": {"precision": "mxfp8", "accum_steps": 4, "fp8_recipe": "mxfp8_emulated_rceil"}}}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = tmp_path / "reports"
+    out = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--env", str(r / "env.json"),
+                          "--plans", str(r / "plans"), "--data-source", str(r / "ds.json"), "--model-source",
+                          str(r / "ms.json"), "--roofline", str(r / "rl.json")], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "variants.mx.accum_steps = 4 gives mxfp8 micro-batches of 16 images" in out.stderr
+    assert not r.exists()  # refused before anything is written
