@@ -42,7 +42,7 @@ def census(cfg: config.Config, device: str, image_size: int, num_classes: int) -
         return {}, []
     for name, v in cfg.variants.items():
         if v.precision in used:
-            precision.rung(v.precision).check(name, runplan.recipe_of(v), device)
+            precision.rung(v.precision).check(name, v.fp8_recipe or None, device)
     model = models.build_meta(cfg.model, num_classes=num_classes, image_size=image_size)
     found, warnings = {}, []
     for p in used:

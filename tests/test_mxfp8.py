@@ -44,6 +44,8 @@ def test_mxfp8_converts_every_linear_its_weight_reaches_and_counts_on_an_unconve
     assert b200["mxfp8"]["vs_fp32"] > 1 and b200["mxfp8"]["step_ms"] != b200["bf16"]["step_ms"]
     for gpu in ("H100 SXM", "RTX 5090"):  # no MX column: Hopper has none, 12.x is not measured
         assert roofline.table(ops, roofline.find_gpu(gpu), 64)["mxfp8"] is None
+    hp = roofline.count(copy.deepcopy(_vit()), x, y, "mxfp8", opt, "mxfp8_rceil_wgrad_with_hp")
+    assert len([op for op in hp if op.dtype.startswith("float8")]) == 18 * 2  # the weight's gradient in bf16
 
 
 def test_mxfp8_gate_recipes_and_micro_batch_rule():
@@ -60,6 +62,11 @@ def test_mxfp8_gate_recipes_and_micro_batch_rule():
     with pytest.raises(ConfigError) as err:
         MX.check_batches(found, {"train.batch_size = 64 over variants.mx.accum_steps = 4": 16})
     assert "16 x 65 = 1040 rows" in str(err.value) and "a multiple of 32 images" in str(err.value)
+    MX.check_batches({**found, "recipe": "mxfp8_rceil_wgrad_with_hp"}, {"train.batch_size": 16})  # no row rule
+    with pytest.raises(ConfigError, match=r"'mxfp8_rceil' \(the default\) cannot run on a CPU"):
+        MX.check("mx", None, "cpu")
+    from ampbench import cli  # the CPU demo's ladder: every rung a CPU runs at its batch, not mxfp8
+    assert [v["precision"] for v in cli.LADDER.values()] == ["fp32", "tf32", "fp16", "bf16", "fp8"]
 
 
 def test_env_check_refuses_an_mxfp8_micro_batch_that_breaks_the_block_rule(tmp_path):

@@ -26,7 +26,7 @@ from ampbench.errors import ConfigError, run_cli
 
 # every rung once, in the ladder's order; fp16's variant keeps params.yaml's name for it, amp
 LADDER = {("amp" if r.grad_scaler else r.name): {"precision": r.name, "accum_steps": 1}
-          for r in precision.RUNGS.values()}
+          for r in precision.RUNGS.values() if r.in_ladder}
 
 
 def demo(dest: Path, arch: str = "", nproc: int = 1, ladder: bool = False, optimizer: str = "") -> None:

@@ -43,16 +43,17 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
 class SavedTensorMeter:
     """Bytes of tensors autograd saves for backward (activation memory) while active.
 
-    Each storage is counted once, however many saved tensors view it, so the
-    count is the memory those activations really hold. A tensor subclass is counted by the plain tensors inside it,
-less those of the weights it wraps (``exclude``: the model's parameters).
+    Each storage is counted once, however many saved tensors view it, so the count is the memory those
+    activations really hold. A tensor subclass is counted by the plain tensors inside it; a weight a subclass wraps
+    (MX training's, among ``exclude``: the model's parameters) is not an activation, wherever it is saved.
     """
 
     def __init__(self, exclude=()):
         self.bytes = 0
         self.count = 0
         self._seen: set[int] = set()
-        self._weights = {u.untyped_storage().data_ptr() for t in exclude for u in _plain(t)}
+        self._weights = {u.untyped_storage().data_ptr() for t in exclude for u in _plain(t)
+                         if u is not t}  # only weights a subclass wraps: a plain model's count is as it was
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter):
@@ -61,7 +62,7 @@ less those of the weights it wraps (``exclude``: the model's parameters).
         for u in inner:
             storage = u.untyped_storage()
             key = storage.data_ptr()
-            if key not in self._seen and not (u is not t and key in self._weights):  # a wrapped weight: no activation
+            if key not in self._seen and key not in self._weights:  # a wrapped weight, saved unwrapped: no activation
                 self._seen.add(key)
                 self.bytes += storage.nbytes()
                 self.count += 1

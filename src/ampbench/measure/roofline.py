@@ -308,7 +308,7 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     from ampbench.precision import spec
 
     rung = spec(precision)
-    block_fp8 = rung.converted_gemms(model)
+    block_fp8 = rung.converted_gemms(model, fp8_recipe)
     model = rung.roofline_model(model, fp8_recipe).to("meta")
     x, y = x.to("meta"), y.to("meta")
     opt = make_optimizer(model.parameters())

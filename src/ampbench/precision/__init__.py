@@ -33,7 +33,6 @@ FAMILIES = [
 ]
 
 BASELINE = "fp32"  # strict IEEE fp32: what every speedup is measured against
-DEFAULT_FP32 = "tf32"  # fp32 as PyTorch runs convolutions by default on a GPU with TF32
 
 
 @dataclass(frozen=True)
@@ -52,6 +51,7 @@ class Rung:
     cpu_recipes: tuple[str, ...] = ()  # those that run on a CPU, when not all of them do
     emulated_on_cpu: bool = False   # a CPU has no such arithmetic: a step there shows it runs, not its speed
     always_counted: bool = True     # the roofline counts it even when no variant trains in it
+    in_ladder: bool = True          # `ampbench demo --ladder` trains it (a CPU runs it at the demo's batch)
     scaling_files: tuple[str, ...] = ()  # source files whose ops torch.compile fuses into its casts (the roofline)
 
     # --- what a family may override -------------------------------------------------------------------------
@@ -86,7 +86,7 @@ class Rung:
         """The model the roofline counts (on meta tensors): prepared as training prepares it."""
         return self.prepare(model, recipe)
 
-    def converted_gemms(self, model):
+    def converted_gemms(self, model, recipe: str | None):
         """For a rung the roofline counts unconverted: a function of a GEMM's two operand shapes that says whether
         the conversion runs it in fp8 (in blocks: the operands cast to fp8 with a scale per 32 values); None."""
         return None

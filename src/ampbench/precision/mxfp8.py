@@ -2,7 +2,8 @@
 dimensions allow it; the rest in bf16 autocast. Each GEMM operand is cast to float8 e4m3 in blocks of 32 values
 that share one power-of-two (e8m0) scale, in all three GEMMs of a Linear: the forward, the input's gradient and the
 weight's gradient. So in_features, out_features and the rows of each micro-batch (images x tokens) must be
-multiples of 32 (torchao asserts it, emulated too).
+multiples of 32 (torchao asserts it, emulated too; mxfp8_rceil_wgrad_with_hp runs the weight's gradient in bf16, so
+there the rows are free).
 
 Recipes (torchao's ``MXFP8TrainingRecipe``): mxfp8_rceil (MX kernels, rounding the scale up), mxfp8_rceil_wgrad_with_hp
 (the weight's gradient in bf16), mxfp8_emulated_rceil (plain PyTorch ops: any device, slowly; the only one a CPU
@@ -36,6 +37,10 @@ def convert(model, recipe: str):
     from torchao.quantization import quantize_
     quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe)), filter_fn=eligible)
     return model
+
+
+def _wgrad_in_bf16(recipe: str) -> bool:
+    return recipe.endswith("_wgrad_with_hp")  # the weight's gradient GEMM in high precision (bf16)
 
 
 def _wrapped(module) -> bool:
@@ -119,14 +124,17 @@ class MXFP8(LinearRung):
     def roofline_model(self, model, recipe: str | None):
         return model  # counted unconverted (MX ops do not run on meta tensors); its GEMMs found by shape below
 
-    def converted_gemms(self, model):
-        """Whether a GEMM (its two operands' shapes) is one of a converted layer's three: the forward (rows x in)
-        @ (in x out), the input's gradient (rows x out) @ (out x in), the weight's (out x rows) @ (rows x in)."""
+    def converted_gemms(self, model, recipe: str | None):
+        """Whether a GEMM (its two operands' shapes) is one of a converted layer's: the forward (rows x in)
+        @ (in x out), the input's gradient (rows x out) @ (out x in), and, unless the recipe keeps it in bf16, the
+        weight's (out x rows) @ (rows x in). By shapes: an unconverted GEMM of the same dimensions (an attention's
+        packed projection whose width equals a converted layer's) would be counted as converted too."""
         pairs = {tuple(sorted((m.in_features, m.out_features))) for m in model.modules() if eligible(m)}
+        wgrad = not _wgrad_in_bf16(recipe or self.default_recipe)
 
         def is_mx(a: tuple, b: tuple) -> bool:
             (m, k), n = a, b[-1]
-            return tuple(sorted((k, n))) in pairs or (k % BLOCK == 0 and tuple(sorted((m, n))) in pairs)
+            return tuple(sorted((k, n))) in pairs or (wgrad and k % BLOCK == 0 and tuple(sorted((m, n))) in pairs)
         return is_mx if pairs else None
 
     def unsupported(self, gpu: dict | None) -> str | None:
@@ -144,14 +152,16 @@ class MXFP8(LinearRung):
                 "variant, or use fp8 (8.9 and later) or bf16")
 
     def check(self, variant: str, recipe: str | None, device: str) -> None:
+        said = f"{recipe!r}" if recipe else f"{self.default_recipe!r} (the default)"
         recipe = recipe or self.default_recipe
         if device == "cpu" and recipe not in self.cpu_recipes:
-            raise ConfigError(f"params.yaml: variants.{variant}.fp8_recipe = {recipe!r} cannot run on a CPU (torchao's "
+            raise ConfigError(f"params.yaml: variants.{variant}.fp8_recipe = {said} cannot run on a CPU (torchao's "
                               f"MX kernels need a GPU); use {' or '.join(self.cpu_recipes)} here, or run on a B200")
 
     def check_batches(self, census: dict, batches: dict[str, int]) -> None:
-        """Refuse a micro-batch whose rows (images x tokens) are not a multiple of 32 in a converted layer."""
-        per_image = census.get("rows_per_image") or []
+        """Refuse a micro-batch whose rows (images x tokens) are not a multiple of 32 in a converted layer: the weight's
+        gradient GEMM scales blocks along the rows (a recipe that keeps that GEMM in bf16 has no such rule)."""
+        per_image = [] if _wgrad_in_bf16(census.get("recipe") or "") else census.get("rows_per_image") or []
         for where, batch in batches.items():
             bad = [r for r in per_image if (batch * r) % BLOCK]
             if bad:
@@ -179,7 +189,7 @@ class MXFP8(LinearRung):
 RUNGS = [
     MXFP8("mxfp8", "MXFP8", autocast="bfloat16", datasheet="mxfp8",
           recipes=("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", EMULATED), cpu_recipes=(EMULATED,),
-          emulated_on_cpu=True, always_counted=False, multiple=BLOCK, format_name="MX fp8",
+          emulated_on_cpu=True, always_counted=False, in_ladder=False, multiple=BLOCK, format_name="MX fp8",
           reach="it multiplies by",
           format_how=f" (e4m3 in blocks of {BLOCK} with a shared power-of-two scale, in all three GEMMs)"),
 ]

@@ -106,14 +106,14 @@ class Trainer:
                                 f"multiple of {world.size * plan.accum_steps}")
         self.micro = micro_batch_size(plan.train.batch_size // world.size, plan.accum_steps)  # per rank
         x, y = next(self.train_batches.epoch(0))
-        # analyses on copies of the model (FLOPs per image: 8 suffice): one that fails is said, never fatal
+        # analyses before training (FLOPs per image: 8 suffice): one that fails is said, never fatal
         self.not_made: dict[str, str] = {}  # analysis -> why it could not be made
         self.accum_check = self.analysis("accumulation", probes.accumulation_check, self.model, x, y, self.micro) \
             if plan.accum_steps > 1 else None
         self.activation_bytes = self.analysis("activations", probes.activation_bytes, self.model, x[:self.micro],
                                               self.policy)
-        self.flops_per_image = self.analysis("flops", flops.train_flops_per_image,
-                                             setup.flops_model(s, data["meta"], device), x[:8], y[:8])
+        self.flops_per_image = self.analysis(
+            "flops", lambda: flops.train_flops_per_image(setup.flops_model(s, data["meta"], device), x[:8], y[:8]))
         self.step_model = s.step_model
         memory.reset_peak_memory(device)  # before training: what the probes left is not training's
         # CUDA peaks by phase: steady-state training steps (from each process's second step, after cuDNN has
@@ -225,7 +225,11 @@ class Trainer:
         """Stop the run with a diagnosis: which module first produced inf/NaN, and which gradient."""
         x, y = self.last_batch
         self.peaks.close()  # the diagnosis's own passes are not training's
-        self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.last_scale or 1.0)
+        try:
+            self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.last_scale or 1.0)
+        except Exception as err:  # the replay (a copy of a model whose MX weights have run) must not hide the stop
+            self.diagnosis = {"first_bad_module": None, "first_bad_grad": None, "nonfinite_params": [],
+                              "loss": None, "not_made": f"{type(err).__name__}: {err}"}
         self.diagnosis["reason"] = why
         raise NonFiniteTraining(
             f"[{self.plan.variant}] training stopped at epoch {self.epoch + 1}, step {self.step_in_epoch + 1}: "

@@ -1,4 +1,5 @@
-"""One-off measurements a train stage takes before training: on a copy of the model and one batch.
+"""One-off measurements a train stage takes before training, on one batch: the accumulation check on a copy of the
+model, the activation meter on the model itself (its buffers and mode put back).
 
 - ``accumulation_check``: k accumulated micro-batch gradients against one full-batch gradient.
 - ``activation_bytes``: the bytes autograd saves for backward in one forward pass.
