@@ -225,11 +225,7 @@ class Trainer:
         """Stop the run with a diagnosis: which module first produced inf/NaN, and which gradient."""
         x, y = self.last_batch
         self.peaks.close()  # the diagnosis's own passes are not training's
-        try:
-            self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.last_scale or 1.0)
-        except Exception as err:  # the replay (a copy of a model whose MX weights have run) must not hide the stop
-            self.diagnosis = {"first_bad_module": None, "first_bad_grad": None, "nonfinite_params": [],
-                              "loss": None, "not_made": f"{type(err).__name__}: {err}"}
+        self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.last_scale or 1.0)
         self.diagnosis["reason"] = why
         raise NonFiniteTraining(
             f"[{self.plan.variant}] training stopped at epoch {self.epoch + 1}, step {self.step_in_epoch + 1}: "

@@ -111,8 +111,13 @@ def audit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], sc
 
 
 def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale: float) -> dict:
-    """Replay one batch with hooks: the first module whose output is inf/NaN, the first such gradient."""
-    probe = copy.deepcopy(model).train()
+    """Replay one batch with hooks: the first module whose output is inf/NaN, the first such gradient. A replay that
+    cannot be made (a model whose MX-wrapped weights have run cannot be copied) says so and never hides the stop."""
+    try:
+        probe = copy.deepcopy(model).train()
+    except Exception as err:
+        return {"first_bad_module": None, "first_bad_grad": None, "nonfinite_params": [], "loss": None,
+                "not_made": f"{type(err).__name__}: {err}"}
     bad_params = [n for n, p in probe.named_parameters() if not torch.isfinite(p).all()]
     first: dict = {"first_bad_module": None, "first_bad_grad": None,
                    "nonfinite_params": bad_params[:5], "loss": None}
