@@ -63,7 +63,7 @@ def check_host_syncs(prepared: dict) -> dict:
         for _ in range(3):  # warm: allocations and autotuning sync as they please
             trainer.optimizer_step(*next(batches))
         torch.cuda.synchronize()
-        skipped = trainer.skipped
+        skipped = trainer.ledger.skipped
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")  # a warning per call, not one per call site
             torch.cuda.set_sync_debug_mode("warn")
@@ -74,7 +74,7 @@ def check_host_syncs(prepared: dict) -> dict:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [w for w in seen if "synchroniz" in str(w.message)]
         # a skipped fp16 step also asks whether its loss was finite (one more sync, on skipped steps only)
-        allowed[precision] = (10 + trainer.skipped - skipped) if trainer.policy.uses_scaler else 0
+        allowed[precision] = (10 + trainer.ledger.skipped - skipped) if trainer.policy.uses_scaler else 0
         per_step[precision] = len(syncs) / 10
         passed = passed and len(syncs) <= allowed[precision]
     return {"figure": per_step, "passed": passed,

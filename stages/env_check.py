@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from ampbench import config, data, env, models, precision, runplan
+from ampbench.config import optim
 from ampbench.errors import analysis, run_cli
 from ampbench.measure import roofline
 from ampbench.results import atomic_write
@@ -27,8 +28,9 @@ def micro_batches(cfg: config.Config, rung: str) -> dict[str, int]:
     for name, v in cfg.variants.items():
         if v.precision == rung:
             world = config.variant_world(cfg, name)
-            out[f"train.batch_size = {cfg.train.batch_size} over variants.{name}.accum_steps = {v.accum_steps}"
-                + (f" and {world} processes" if world > 1 else "")] = cfg.train.batch_size // (world * v.accum_steps)
+            where = (f"train.batch_size = {cfg.train.batch_size} over variants.{name}.accum_steps = {v.accum_steps}"
+                     + (f" and {world} processes" if world > 1 else ""))
+            out[where] = config.micro_batch(cfg.train.batch_size, world, v.accum_steps, name)
     if cfg.sweep.enabled and rung in config.sweep_precisions(cfg):
         out.update({f"sweep.batch_sizes ({b})": b for b in cfg.sweep.batch_sizes})
     return out
@@ -86,7 +88,7 @@ def main() -> None:
                          image_size=models.input_size(cfg.model, desc["image_size"]))
     placement, why = env.choose_placement(
         cfg.data.placement, data.resident_bytes(desc, cfg.train.augment),
-        env.training_state_bytes(model["param_count"], cfg.train.optimizer, cfg.train.momentum), desc, device, info)
+        optim.training_bytes(model["param_shapes"], cfg.train), desc, device, info)
     workers = config.resolve_workers(cfg.data.workers, env.usable_cores(), cfg.distributed.nproc_per_node)
     shm = None
     if placement == "stream":
@@ -130,7 +132,7 @@ def main() -> None:
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ampbench"
     counted, not_counted = analysis("roofline", model["model"], roofline.record_cached, cfg,
                                     gpu["name"] if gpu else None,
-                                    {k: desc[k] for k in ("num_classes", "image_size")}, cache)
+                                    {k: desc[k] for k in ("num_classes", "image_size")}, cache, optim.for_count)
     counted = counted or {"error": not_counted}
     for p, found in censuses.items():  # roofline.json keeps each converting rung's census under its name
         counted[p] = found

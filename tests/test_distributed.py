@@ -201,9 +201,10 @@ def _inf_worker(rank: int, port: int, folder: str) -> None:
             x[0] = float("inf")  # only this rank's slice of the batch goes non-finite
         trainer.step_in_epoch = trainer.global_step = i  # what run_epoch keeps
         trainer.optimizer_step(x, y)
-    out = {"skipped": trainer.skipped, "scale": trainer.last_scale, "history": trainer.scale_history,
-           "nonfinite": trainer.nonfinite_steps, "weights": sum(float(p.detach().double().sum()) for p in
-                                                                 trainer.model.parameters())}
+    book = trainer.ledger
+    out = {"skipped": book.skipped, "scale": book.last_scale, "history": book.scale_history,
+           "nonfinite": book.nonfinite_steps, "weights": sum(float(p.detach().double().sum()) for p in
+                                                             trainer.model.parameters())}
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
     distributed.shutdown()
 
@@ -265,7 +266,7 @@ def _fp8_worker(rank: int, port: int, folder: str) -> None:
         trainer.optimizer_step(*next(batches))
     out = {"float8": sum(type(m).__name__ == "Float8Linear" for m in trainer.model.modules()),
            "weights": [float(p.detach().double().sum()) for p in trainer.model.parameters()],
-           "nonfinite": trainer.nonfinite_steps}
+           "nonfinite": trainer.ledger.nonfinite_steps}
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
     distributed.shutdown()
 

@@ -129,7 +129,7 @@ def _fake_gpu(monkeypatch, name: str, cap: tuple[int, int], arch_list: list[str]
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: cap >= (8, 0))
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: arch_list)
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
-    monkeypatch.setattr(env, "_driver_version", lambda: "580.65")
+    monkeypatch.setattr(env.machine, "_driver_version", lambda: "580.65")
     return env.probe()
 
 

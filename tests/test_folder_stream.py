@@ -155,7 +155,7 @@ def test_env_check_streams_a_folder_as_a_file_list_and_checks_shared_memory(tmp_
 def test_streaming_stops_when_the_batches_in_flight_do_not_fit_in_shared_memory(tmp_path, monkeypatch):
     (tmp_path / "shm").mkdir()
     free = {"free": 64 * 2**20}
-    monkeypatch.setattr(env.shutil, "disk_usage", lambda p: type("U", (), free)())
+    monkeypatch.setattr(env.placement.shutil, "disk_usage", lambda p: type("U", (), free)())
     batch = 256 * 3 * 224 * 224  # 36.8 MiB of uint8 crops
     assert env.check_shared_memory(0, 2, batch, 1, str(tmp_path / "shm")) is None  # no workers: no shared memory
     with pytest.raises(EnvironmentMismatch) as err:
@@ -195,7 +195,7 @@ def test_a_jpeg_folder_too_large_for_the_device_streams_through_dvc_repro_with_a
                  "test_size": 64, "placement": "auto", "workers": 1},
         "train": {"epochs": 2, "batch_size": 32, "optimizer": "adamw", "lr": 0.003, "weight_decay": 0.05,
                   "clip_grad_norm": 1.0, "augment": True},
-        "amp": {"audit_batches": 0}, "profile": {"steps": 0}, "sweep": {"batch_sizes": [8], "steps": 1},
+        "amp": {"audit_batches": 0}, "profile": {"steps": 0}, "sweep": {"enabled": False},
         "mlflow": {"enabled": False}})
     params["variants"] = {"fp32": {"precision": "fp32"}, "bf16": {"precision": "bf16"}}
     repo = sandbox.create(tmp_path / "repo", params)

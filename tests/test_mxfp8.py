@@ -14,7 +14,7 @@ import yaml
 
 from ampbench import config, models, precision
 from ampbench.errors import ConfigError
-from ampbench.measure import roofline
+from ampbench.measure import opcount, roofline
 from ampbench.sandbox import REPO_ROOT
 
 MX = precision.rung("mxfp8")
@@ -36,7 +36,7 @@ def test_mxfp8_converts_every_linear_its_weight_reaches_and_counts_on_an_unconve
     # the roofline: the same FLOPs as bf16, the converted layers' three GEMMs each in fp8 with their block casts
     x, y = torch.empty(64, 3, 32, 32), torch.zeros(64, dtype=torch.long)
     opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
-    ops = {p: roofline.count(copy.deepcopy(_vit()), x, y, p, opt) for p in ("fp32", "bf16", "mxfp8")}
+    ops = {p: opcount.count(copy.deepcopy(_vit()), x, y, p, opt) for p in ("fp32", "bf16", "mxfp8")}
     fp8 = [op for op in ops["mxfp8"] if op.dtype.startswith("float8")]
     assert len(fp8) == 18 * 3 and len([op for op in ops["mxfp8"] if op.name == "fp8 block cast"]) == 2 * 18 * 3
     assert sum(op.flops for op in ops["mxfp8"]) == sum(op.flops for op in ops["bf16"])
@@ -44,7 +44,7 @@ def test_mxfp8_converts_every_linear_its_weight_reaches_and_counts_on_an_unconve
     assert b200["mxfp8"]["vs_fp32"] > 1 and b200["mxfp8"]["step_ms"] != b200["bf16"]["step_ms"]
     for gpu in ("H100 SXM", "RTX 5090"):  # no MX column: Hopper has none, 12.x is not measured
         assert roofline.table(ops, roofline.find_gpu(gpu), 64)["mxfp8"] is None
-    hp = roofline.count(copy.deepcopy(_vit()), x, y, "mxfp8", opt, "mxfp8_rceil_wgrad_with_hp")
+    hp = opcount.count(copy.deepcopy(_vit()), x, y, "mxfp8", opt, "mxfp8_rceil_wgrad_with_hp")
     assert len([op for op in hp if op.dtype.startswith("float8")]) == 18 * 2  # the weight's gradient in bf16
 
 

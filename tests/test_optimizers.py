@@ -1,5 +1,6 @@
-"""The optimizer as users train with it: SGD or AdamW, each with its own defaults, in a fused, foreach or
-for-loop implementation, and a fused optimizer's skipped fp16 steps followed on the device."""
+"""The optimizer as users train with it: SGD, AdamW or Adafactor (entries of one registry), each with its own
+defaults and state, in a fused, foreach or for-loop implementation, and a fused optimizer's skipped fp16 steps
+followed on the device."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 from torch import nn
 
 from ampbench import config, data, results, runplan
+from ampbench.config import optim
 from ampbench.errors import ConfigError
-from ampbench.report import figures, sections
-from ampbench.train import runner, setup, step
+from ampbench.measure import memory
+from ampbench.report import figures, safety
+from ampbench.report import memory as report_memory
+from ampbench.train import ledger, runner, setup, step
 from ampbench.train.policy import PrecisionPolicy
 from tests.conftest import overflow_at
 
@@ -53,6 +57,56 @@ def test_the_plan_resolves_the_implementation_per_variant_and_device(tmp_path):
         assert opt.defaults["weight_decay"] == 0.05 and opt.defaults["betas"] == (0.9, 0.999)
 
 
+@pytest.mark.parametrize("name", optim.names())
+def test_each_registered_optimizer_keeps_the_state_its_entry_says(name):
+    """The memory model (data placement, before anything is built) reads the registry's state per parameter shape:
+    it equals what torch's optimizer holds after a step, for a conv, a Linear, a BatchNorm and their biases."""
+    train = config.from_dict({"train": {"optimizer": name}}).train
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+    opt = optim.info(name).make(model.parameters(), train, "foreach")
+    model(torch.randn(2, 3, 6, 6)).sum().backward()
+    opt.step()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    assert optim.state_bytes(name, shapes, train) == memory.optimizer_state_bytes(opt) > 0
+    assert optim.training_bytes(shapes, train) == 8 * sum(p.numel() for p in model.parameters()) \
+        + memory.optimizer_state_bytes(opt)
+
+
+def test_adafactor_is_one_entry_with_its_own_defaults_and_implementations():
+    cfg = config.from_dict({"train": {"optimizer": "adafactor"}})
+    assert (cfg.train.lr, cfg.train.weight_decay) == (1e-2, 0.01)
+    opt = setup.optimizer(runplan.make_plan(cfg, "amp", "cuda"), nn.Linear(4, 2).parameters(), "foreach")
+    assert isinstance(opt, torch.optim.Adafactor) and opt.defaults["weight_decay"] == 0.01
+    assert runplan.make_plan(cfg, "fp32", "cuda").train.optimizer_impl == "foreach"  # torch has no fused Adafactor
+    with pytest.raises(ConfigError, match=r"train.optimizer_impl = 'fused' does not exist for train.optimizer = "
+                                          r"'adafactor'; choose one of foreach \| for_loop, or auto"):
+        config.from_dict({"train": {"optimizer": "adafactor", "optimizer_impl": "fused"}})
+    with pytest.raises(ConfigError, match=r"train.lr = 0.1 is an SGD learning rate; Adafactor diverges at it"):
+        config.from_dict({"train": {"optimizer": "adafactor", "lr": 0.1}})
+
+
+def test_auto_keeps_sgd_off_its_fused_kernel_under_a_grad_scaler():
+    """SGD's fused kernel, skipping GradScaler's overflowing first step, leaves its momentum uninitialised: auto
+    picks foreach for SGD under fp16 on CUDA, fused elsewhere on CUDA; AdamW's fused kernel skips cleanly."""
+    sgd = config.from_dict({})
+    assert runplan.make_plan(sgd, "amp", "cuda").train.optimizer_impl == "foreach"
+    assert runplan.make_plan(sgd, "fp32", "cuda").train.optimizer_impl == "fused"
+    assert runplan.for_precision(sgd, "fp16", "cuda").train.optimizer_impl == "foreach"
+    adamw = config.from_dict({"train": {"optimizer": "adamw"}})
+    assert runplan.make_plan(adamw, "amp", "cuda").train.optimizer_impl == "fused"
+
+
+def test_adafactor_trains_in_fp16_through_the_runner(tiny_params, tiny_data):
+    tiny_params["train"].update(epochs=2, optimizer="adafactor")
+    del tiny_params["train"]["lr"], tiny_params["train"]["weight_decay"]  # Adafactor's own
+    result = runner.train(runplan.make_plan(config.from_dict(tiny_params), "amp", "cpu"), tiny_data, progress=False)
+    m = result.metrics
+    assert m["optimizer"] == "adafactor" and m["optimizer_impl"] == "foreach" and "rows + columns" in \
+        m["optimizer_state_kept"]
+    assert math.isfinite(m["final_loss"]) and m["skipped_steps"] == 0
+    assert result.history[-1]["train_loss"] < result.history[0]["train_loss"] + 0.5
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of")  # the host schedule's optimizer never steps here
 def test_the_device_schedule_follows_the_steps_taken_as_the_host_schedule_does():
     """Fed each step's found-inf flag, the device schedule gives the LR LambdaLR gives when stepped on the steps
@@ -60,7 +114,7 @@ def test_the_device_schedule_follows_the_steps_taken_as_the_host_schedule_does()
     lin = nn.Linear(2, 2)
     dev_opt = torch.optim.SGD(lin.parameters(), lr=0.4, fused=True)
     host_opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.4)
-    dev, host = setup.DeviceSchedule(dev_opt, 60), setup.schedule(host_opt, 60)
+    dev, host = ledger.DeviceSchedule(dev_opt, 60), ledger.schedule(host_opt, 60)
     assert dev.get_last_lr() == pytest.approx(host.get_last_lr())
     for i in range(60):
         skipped = i in (1, 2, 40)
@@ -69,7 +123,7 @@ def test_the_device_schedule_follows_the_steps_taken_as_the_host_schedule_does()
             host.step()
         assert dev.get_last_lr() == pytest.approx(host.get_last_lr(), rel=1e-6, abs=1e-9), i
     state = dev.state_dict()
-    again = setup.DeviceSchedule(torch.optim.SGD(lin.parameters(), lr=0.4, fused=True), 60)
+    again = ledger.DeviceSchedule(torch.optim.SGD(lin.parameters(), lr=0.4, fused=True), 60)
     again.load_state_dict(state)
     assert state == {"taken": 57} and again.get_last_lr() == pytest.approx(host.get_last_lr(), rel=1e-6)
 
@@ -105,7 +159,7 @@ def test_the_report_says_when_optimizer_state_outweighs_the_activations_saved():
         "amp": {"activation_bytes": 3000, "micro_batch_size": 32, "optimizer_state_bytes": 2000,
                 "optimizer": "adamw"},
         "amp_accum": {"activation_bytes": 250, "micro_batch_size": 8, "optimizer_state_bytes": 500}}}
-    lines = sections._optimizer_state_outweighs(summary)
+    lines = report_memory._optimizer_state_outweighs(summary)
     assert len(lines) == 2 and lines[0].startswith("amp: its optimizer state (adamw, ")
     assert "outweighs the activations it saves against fp32" in lines[0]  # amp_accum saves 750 > 500: no line
 
@@ -159,8 +213,8 @@ def test_clipping_and_the_norms_reach_the_run_files(tiny_params, tiny_data, tmp_
     results.write_run(tmp_path, result.metrics, result.history, result.scale_history, result.step_times_ms,
                       grad_norms=result.grad_norms)
     run = results.read_run(tmp_path)
-    stats = sections.grad_norm_stats(run)
+    stats = safety.grad_norm_stats(run)
     assert stats["steps"] == 4 and stats["clip"] == 0.5
-    lines = sections._grad_norms("amp", {"amp": run})
+    lines = safety._grad_norms("amp", {"amp": run})
     assert lines[2].startswith("| variant | steps | median") and lines[4].startswith("| amp | 4 |")
     assert figures.grad_norm({"amp": run}, tmp_path / "g.png").is_file()

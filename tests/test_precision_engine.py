@@ -8,8 +8,9 @@ from torch import nn
 
 from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig
-from ampbench.train import engine, runner, setup, step
-from ampbench.train.policy import PrecisionPolicy, micro_batch_size
+from ampbench.errors import ConfigError
+from ampbench.train import engine, ledger, runner, step
+from ampbench.train.policy import PrecisionPolicy
 from tests.conftest import overflow_at
 
 
@@ -30,10 +31,13 @@ def test_scaler_takes_amp_params():
     assert (scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (4.0, 0.25, 7)
 
 
-def test_micro_batch_size():
-    assert micro_batch_size(256, 4) == 64
-    with pytest.raises(ValueError):
-        micro_batch_size(256, 3)
+def test_micro_batch_is_one_rule_for_the_params_and_the_trainer():
+    assert config.micro_batch(256, 1, 4) == 64 and config.micro_batch(256, 2, 4) == 32
+    with pytest.raises(ConfigError, match=r"variants.a.accum_steps = 3 does not divide train.batch_size = 256"):
+        config.micro_batch(256, 1, 3, "a")
+    with pytest.raises(ConfigError, match=r"train.batch_size = 36 does not split into distributed.nproc_per_node = "
+                                          r"2 processes x accum_steps = 4 equal micro-batches; .* multiple of 8"):
+        config.micro_batch(36, 2, 4)
 
 
 def _grads(model, x, y, micro, policy):
@@ -104,7 +108,7 @@ def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeyp
 
 
 def test_lr_schedule_warms_up_then_decays():
-    f = setup.lr_lambda(100)
+    f = ledger.lr_lambda(100)
     assert f(0) == pytest.approx(0.2) and f(4) == pytest.approx(1.0)
     assert f(50) < 1 and f(99) < 0.01
 
@@ -116,7 +120,7 @@ def test_the_host_mirror_follows_the_grad_scaler_through_skips_and_growth():
     opt = torch.optim.SGD(lin.parameters(), lr=0.01)
     for factors in ({"growth_factor": 2.0, "backoff_factor": 0.5}, {"growth_factor": 1.7, "backoff_factor": 0.3}):
         scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=3, **factors)
-        taken, mirror = step.TakenSteps(opt), step.HostScale(scaler)
+        taken, mirror = ledger.TakenSteps(opt), ledger.HostScale(scaler)
         for i, poison in enumerate([0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 0]):
             opt.zero_grad()
             scaler.scale(lin(torch.randn(8, 4)).pow(2).mean()).backward()
@@ -145,8 +149,8 @@ def test_an_fp16_step_syncs_the_host_once(tiny_params, tiny_data, monkeypatch):
         trainer.run_epoch()
         steps += trainer.steps_per_epoch
     assert steps == 4 and len(reads) == 2  # one check per epoch, none per step
-    assert trainer.skipped == 1 and trainer.last_scale == 4096
-    assert trainer.scale_history[1] == {"step": 2, "scale": 4096.0, "skipped": True}
+    assert trainer.ledger.skipped == 1 and trainer.ledger.last_scale == 4096
+    assert trainer.ledger.scale_history[1] == {"step": 2, "scale": 4096.0, "skipped": True}
 
 
 def test_the_last_partial_batch_is_not_trained_so_every_timed_step_has_one_shape(tiny_params, tmp_path):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ampbench import config, precision, report, results
-from ampbench.measure import flops, roofline
+from ampbench.measure import flops, opcount, roofline
 
 TOY = '''
 """toy: Linear layers whose GEMMs run in bfloat16, the rest in fp32 (a family written outside ampbench)."""
@@ -97,12 +97,12 @@ def test_a_toy_family_is_one_module_and_one_line(toy, tmp_path):
     # the census, and the roofline count: its GEMMs counted in bf16, at the bf16 column's rate
     census = toy.census(_model(), "fancy", 8)
     assert census["converted"] == 2
-    ops = roofline.count(_model(), torch.empty(4, 3, 8, 8), torch.zeros(4, dtype=torch.long), "toy",
+    ops = opcount.count(_model(), torch.empty(4, 3, 8, 8), torch.zeros(4, dtype=torch.long), "toy",
                          lambda p: torch.optim.SGD(p, lr=0.1), "fancy")
     mms = [op for op in ops if op.flops and op.phase == "forward"]
     assert mms and {op.dtype for op in mms} == {"bfloat16"}
     row = roofline.find_gpu("H100 SXM")
-    table = roofline.table({"fp32": roofline.count(_model(), torch.empty(4, 3, 8, 8),
+    table = roofline.table({"fp32": opcount.count(_model(), torch.empty(4, 3, 8, 8),
                                                    torch.zeros(4, dtype=torch.long), "fp32",
                                                    lambda p: torch.optim.SGD(p, lr=0.1)), "toy": ops}, row, 4)
     assert table["toy"]["vs_fp32"] > 0 and flops.datasheet_peak("NVIDIA H100 80GB HBM3", toy.datasheet) == 989.4

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ampbench import config, data, env, runplan
+from ampbench.config import optim
 from ampbench.data import stream
 from ampbench.errors import EnvironmentMismatch
 
@@ -126,8 +127,9 @@ def test_auto_places_the_set_on_the_device_when_it_fits_and_streams_it_otherwise
         env.choose_placement("auto", nbytes, 0, desc, "cuda", gpu)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)  # taskset / a container
     assert env.usable_cores() == 3
-    assert env.training_state_bytes(1000, "adamw", 0.9) == 16_000
-    assert env.training_state_bytes(1000, "sgd", 0.9) == 12_000
+    train = config.from_dict({"train": {"optimizer": "adamw"}}).train
+    assert optim.training_bytes([(1000,)], train) == 16_004  # and AdamW's step count
+    assert optim.training_bytes([(1000,)], config.from_dict({}).train) == 12_000
 
 
 def test_a_streaming_plan_says_so_and_a_device_plan_file_is_unchanged(tmp_path):

@@ -196,7 +196,7 @@ def test_the_sweep_cache_follows_the_code_and_the_model_that_ran(tmp_path, tiny_
 def test_the_sweep_key_covers_what_the_sweep_runs_and_the_users_model():
     from ampbench import config
     src = REPO_ROOT / "src"
-    reached = {p.relative_to(src).as_posix() for p in results.source_files(src / "ampbench" / "sweep.py")}
+    reached = {p.relative_to(src).as_posix() for p in results.source_files(src / "ampbench" / "sweep" / "__init__.py")}
     assert {"ampbench/models/cifar.py", "ampbench/models/vit.py", "ampbench/train/step.py", "ampbench/train/policy.py",
             "ampbench/precision/float8.py", "ampbench/data/batches.py", "ampbench/measure/clock.py"} <= reached
     assert not {p for p in reached if p.startswith(("ampbench/report", "ampbench/tracking"))}
@@ -208,6 +208,10 @@ def test_the_sweep_key_covers_what_the_sweep_runs_and_the_users_model():
     assert sweep.point_key(*args[:6], "code2") != key  # ampbench's code
     no_momentum = config.from_dict({"device": "cpu", "train": {"momentum": 0.0}})  # no buffer: less memory
     assert sweep.point_key(no_momentum, *args[1:]) != key
+    scaled = config.from_dict({"device": "cpu", "amp": {"init_scale": 1024}})  # the loss scale: fp16's points alone
+    assert sweep.point_key(scaled, *args[1:]) == key
+    fp16 = (cfg, "fp16", *args[2:])
+    assert sweep.point_key(scaled, *fp16[1:]) != sweep.point_key(*fp16)
 
 
 def test_a_memory_cap_on_cuda_names_the_device_index(monkeypatch):

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from ampbench import config, precision, sandbox
+from ampbench.config import optim
 from ampbench.errors import ConfigError, run_cli
 
 # every rung once, in the ladder's order; fp16's variant keeps params.yaml's name for it, amp
@@ -33,7 +34,7 @@ def demo(dest: Path, arch: str = "", nproc: int = 1, ladder: bool = False, optim
     params = sandbox.demo_params()
     if arch:  # e.g. vit_tiny: the same demo, another model
         params = sandbox.merge(params, {"model": {"arch": arch}})
-    if optimizer and optimizer != params.get("train", {}).get("optimizer", "sgd"):
+    if optimizer and optimizer != params.get("train", {}).get("optimizer", config.TrainConfig().optimizer):
         train = {k: v for k, v in params.get("train", {}).items() if k not in ("lr", "weight_decay")}
         params["train"] = {**train, "optimizer": optimizer}  # that optimizer's own lr and weight decay
     if ladder:  # every precision once: strict fp32, tf32, bf16, fp16, fp8
@@ -155,12 +156,12 @@ def _stopper(server: subprocess.Popen):
 def roofline_cmd(args) -> None:
     from ampbench.measure import roofline
     from ampbench.report import fmt
-    from ampbench.report.sections import ROOFLINE_NOTE, roofline_table
+    from ampbench.report.roofline import ROOFLINE_NOTE, roofline_table
     rows = None if args.gpu == "all" else [roofline.find_gpu(args.gpu)]  # a bad name stops before counting
     if args.batch < 0:
         raise ConfigError(f"--batch {args.batch}: give a batch of 1 or more images (or 0 for train.batch_size)")
     cfg = config.load(args.params)
-    found = roofline.for_config(cfg, args.batch or None)
+    found = roofline.for_config(cfg, optim.for_count, args.batch or None)
     s = found["summary"]
     closest = roofline.closest_default(s["conv_flop_share"])
     print(f"Roofline of one training step: {found['model']}, batch {found['batch']}, {found['input_size']}x"
@@ -234,7 +235,7 @@ def main() -> None:
     d.add_argument("--ladder", action="store_true",
                    help="the variants fp32, tf32, bf16, amp (fp16) and fp8 instead of params.yaml's (fp8 converts "
                         "Linear layers: use it with --arch vit_tiny)")
-    d.add_argument("--optimizer", choices=config.OPTIMIZERS, default="",
+    d.add_argument("--optimizer", choices=optim.names(), default="",
                    help="train.optimizer for the demo, with that optimizer's own lr and weight decay "
                         "(adamw trains a ViT; SGD at lr 0.1 does not)")
     d.add_argument("--nproc-per-node", type=int, default=1, metavar="N",

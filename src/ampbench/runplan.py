@@ -18,8 +18,8 @@ from ampbench.config import (
     ModelConfig,
     ProfileConfig,
     TrainConfig,
+    optim,
     resolve_backend,
-    resolve_optimizer_impl,
     to_dict,
 )
 from ampbench.errors import ConfigError
@@ -63,8 +63,7 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
     # target_acc is read by the report only, not a reason to retrain; TF32 follows the precision; the optimizer's
     # implementation is the variant's own where it sets one, resolved for the device
     train = dataclasses.replace(cfg.train, target_acc=0.0, allow_tf32=spec(v.precision).tf32,
-                                optimizer_impl=resolve_optimizer_impl(v.optimizer_impl or cfg.train.optimizer_impl,
-                                                                      device))
+                                optimizer_impl=optimizer_impl(cfg, v.optimizer_impl, v.precision, device))
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
                    amp=amp_settings(v.precision, cfg.amp), debug=cfg.debug,
@@ -81,9 +80,16 @@ def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
     return RunPlan(variant=f"sweep-{precision}", precision=precision, accum_steps=1, device=device, seed=cfg.seed,
                    model=cfg.model, train=dataclasses.replace(
                        cfg.train, compile=False, allow_tf32=spec(precision).tf32,
-                       optimizer_impl=resolve_optimizer_impl(cfg.train.optimizer_impl, device)),
+                       optimizer_impl=optimizer_impl(cfg, "", precision, device)),
                    amp=amp_settings(precision, cfg.amp), ddp=False,
                    fp8_recipe=recipe(cfg, precision))
+
+
+def optimizer_impl(cfg: Config, impl: str, precision: str, device: str) -> str:
+    """A variant's optimizer implementation (``impl``: its own, "" for train.optimizer_impl) with auto resolved
+    by the optimizer's registry entry for the device and whether ``precision`` steps it through a GradScaler."""
+    impl = impl or cfg.train.optimizer_impl
+    return optim.info(cfg.train.optimizer).auto_impl(device, spec(precision).grad_scaler) if impl == "auto" else impl
 
 
 def recipe_of(v) -> str | None:

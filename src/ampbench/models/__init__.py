@@ -179,8 +179,9 @@ def input_size_fix(cfg: ModelConfig, num_classes: int, side: int,
 
 
 def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
-    """Build the model on the CPU and run two images through it, forward and backward; its name, parameter count
-    and the parameters the loss leaves without a gradient ("unused", which DDP must be told of), or a ConfigError.
+    """Build the model on the CPU and run two images through it, forward and backward; its name, parameter count,
+    the parameters the loss leaves without a gradient ("unused", which DDP must be told of) and the shapes of the
+    trainable ones, or a ConfigError.
     """
     if cfg.arch == "vit_tiny" and not cfg.factory and image_size % PATCH:
         raise ConfigError(f"params.yaml: model.arch = 'vit_tiny' needs an input size divisible by its patch "
@@ -203,7 +204,8 @@ def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
     if out.requires_grad:  # a model with no trainable parameter has nothing to check
         out.float().sum().backward()
     unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    return {**describe(model, cfg), "unused": unused}
+    shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]  # what the optimizer keeps state for
+    return {**describe(model, cfg), "unused": unused, "param_shapes": shapes}
 
 
 def check_unused(model: dict, cfg: ModelConfig, distributed: DistributedConfig, ddp: bool) -> None:

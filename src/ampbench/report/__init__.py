@@ -6,8 +6,9 @@ It reads only ``reports/runs/*/``, ``reports/env.json``, the sweep's ``sweep.jso
 ``roofline.json``, never MLflow, so it
 works offline, and it imports no training code, so editing the training loop does not rerun it. The parts:
 ``summary`` (the numbers, no prose), ``sections`` (report.md, one function per section, in one ordered list),
-``verdict`` (the first paragraph), ``scale`` (the sweep's and data-parallel sections), ``figures`` and ``fmt``
-(how a number is written). A measurement that is missing is shown as missing.
+``verdict`` (the first paragraph); one module per large section: ``roofline`` (and the article's), ``memory``,
+``safety`` (numerics), ``scale`` (the sweep's and data-parallel sections); ``figures`` and ``fmt`` (how a number
+is written). A measurement that is missing is shown as missing.
 """
 
 from __future__ import annotations

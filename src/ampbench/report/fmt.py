@@ -6,6 +6,8 @@ has nothing to be taken against); never as 0.
 
 from __future__ import annotations
 
+from ampbench.errors import ANALYSES
+
 MIB = 2 ** 20
 GIB = 2 ** 30
 
@@ -60,3 +62,19 @@ def size(n: int | None) -> str:
 def faster(speedup: float) -> str:
     """A category's or step's speedup in words: 2.00x faster, 1.25x slower."""
     return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.3g}x slower"
+
+
+def speedup(row: dict) -> str:
+    """A summary row's speedup with its 95% interval where it has one: 1.52x (1.48 to 1.57); n/a without."""
+    if row.get("speedup") is None:
+        return "n/a"
+    lo, hi = row.get("speedup_ci95") or [None, None]
+    ci = f" ({ratio(lo)} to {ratio(hi)})" if lo is not None and hi is not None else ""
+    return f"{times(row['speedup'])}{ci}"
+
+
+def not_made(summary: dict, *analyses: str) -> list[str]:
+    """One line per variant for which an analysis could not be made, with why (``errors.analysis``)."""
+    lines = [f"{ANALYSES[a][0].upper()}{ANALYSES[a][1:]} could not be made for `{n}`: {why}."
+             for a in analyses for n, r in summary["variants"].items() if (why := (r.get("not_made") or {}).get(a))]
+    return lines + [""] if lines else []

@@ -8,28 +8,20 @@ them; the only ones that do not are the article's, quoted and labelled as such.
 
 from __future__ import annotations
 
-import math
-import statistics
 from pathlib import Path
 
-from ampbench import precision
-from ampbench.errors import ANALYSES
 from ampbench.report import fmt
+from ampbench.report.fmt import not_made
+from ampbench.report.fmt import speedup as _speedup
+from ampbench.report.memory import memory
+from ampbench.report.roofline import article, roofline
+from ampbench.report.safety import safety
 from ampbench.report.scale import scaling, sweep
 from ampbench.report.summary import profile_categories
 from ampbench.report.verdict import paragraph, why
 
+
 # The article's own measurement (ResNet-18, CIFAR-10, batch 256, CUDA 12.1, "NVIDIA 5090 (24GB)"): quoted, not ours.
-ARTICLE = {
-    "hardware": 'the article\'s "NVIDIA 5090 (24GB)", CUDA 12.1, ResNet-18, CIFAR-10, batch 256',
-    "rows": [
-        {"precision": "FP32", "memory": "18.7 GB", "imgs_per_s": "1,200", "epoch": "3m21s"},
-        {"precision": "FP16", "memory": "9.2 GB", "imgs_per_s": "3,800", "epoch": "1m02s"},
-    ],
-    "speedup": "3.2x", "memory_change": "-51%",
-}
-
-
 def model_line(m: dict) -> str:
     """Model <name> (<n> parameters, <s>x<s> inputs), <k> classes of <data> (<n> train / <n> test images)."""
     params = f"{m['param_count']:,} parameters, " if m.get("param_count") else ""
@@ -41,14 +33,6 @@ def model_line(m: dict) -> str:
 
 def _first(runs: dict[str, dict]) -> dict:
     return next(iter(runs.values()))["metrics"] if runs else {}
-
-
-def _speedup(row: dict) -> str:
-    if row.get("speedup") is None:
-        return "n/a"
-    lo, hi = row.get("speedup_ci95") or [None, None]
-    ci = f" ({fmt.ratio(lo)} to {fmt.ratio(hi)})" if lo is not None and hi is not None else ""
-    return f"{fmt.times(row['speedup'])}{ci}"
 
 
 def _imgs_per_s(r: dict) -> str:
@@ -70,13 +54,6 @@ def _tflops(r: dict) -> str:
 def _accuracy(r: dict) -> str:
     sd = f" ±{r['final_acc_std'] * 100:.2f}" if r.get("final_acc_std") is not None else ""
     return fmt.num(r["final_acc"], ".2%") + sd
-
-
-def not_made(summary: dict, *analyses: str) -> list[str]:
-    """One line per variant for which an analysis could not be made, with why (``errors.analysis``)."""
-    lines = [f"{ANALYSES[a][0].upper()}{ANALYSES[a][1:]} could not be made for `{n}`: {why}."
-             for a in analyses for n, r in summary["variants"].items() if (why := (r.get("not_made") or {}).get(a))]
-    return lines + [""] if lines else []
 
 
 def header(summary: dict, env: dict, runs: dict) -> list[str]:
@@ -188,141 +165,6 @@ def profile(summary: dict, env: dict, runs: dict) -> list[str]:
     return lines
 
 
-def article(summary: dict, env: dict, runs: dict) -> list[str]:
-    """Our ratios beside the article's 3.2x and -51%, and the article's own table."""
-    lines = ["## Ours beside the article's", "",
-             "| | speedup vs FP32 | peak memory vs FP32 |", "|---|---|---|",
-             f"| the article (its GPU, quoted) | {ARTICLE['speedup']} | {ARTICLE['memory_change']} |"]
-    for name, r in summary["variants"].items():
-        if name != summary["baseline"]:
-            lines.append(f"| {name}, this run | {_speedup(r)} | {fmt.change(r.get('mem_ratio'))} |")
-    lines += [""] + _article_roofline(summary.get("roofline"))
-    lines += [f"The article's own table ({ARTICLE['hardware']}; quoted, not measured here):", "",
-              "| precision | memory | img/s | time per epoch |", "|---|---|---|---|"]
-    lines += [f"| {r['precision']} | {r['memory']} | {r['imgs_per_s']} | {r['epoch']} |" for r in ARTICLE["rows"]]
-    return lines + ["", f"The article's claim: {ARTICLE['speedup']} faster, {ARTICLE['memory_change']} memory.", ""]
-
-
-def _article_roofline(found: dict | None) -> list[str]:
-    a = (found or {}).get("article")
-    if not a:
-        return []
-    r, claimed = a["fp16_vs_fp32"], float(ARTICLE["speedup"].rstrip("x"))
-    return [f"On the article's {a['gpu']}, the roofline of ResNet-18 at batch {a['batch']} (counted here, op by op, at "
-            f"that card's datasheet peaks) gives fp16 {fmt.times(r)} strict fp32: a GeForce card runs fp16 with fp32 "
-            "accumulation at twice its fp32 rate, and fp16 halves the bytes each op moves. The article's "
-            f"{ARTICLE['speedup']} is {claimed / r:.2f}x that bound, so its FP32 run reached {r / claimed:.0%} of the "
-            "share of its peak its FP16 run reached: its baseline was slow (eager overhead, the input pipeline, or a "
-            "setting that held fp32 back), which a precision cannot be credited with.", ""]
-
-
-def _census_lines(found: dict) -> list[str]:
-    """What each converting rung converts in this model (roofline.json keeps each census under its rung)."""
-    return [line for name in precision.converting(n for n in found if n in precision.RUNGS)
-            for line in precision.rung(name).census_lines(found[name])]
-
-
-def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
-    """What the datasheet allows each precision for this model, beside what was measured."""
-    found = summary.get("roofline")
-    if not found:
-        return []
-    lines = ["## What the datasheet allows: the roofline", ""]
-    if found.get("error"):
-        return lines + [f"Not counted: {found['error']}.", ""]
-    lines.append(
-        f"One training step of {found['model']} at batch {found['batch']} is {found['flops'] / 1e9:,.1f} GFLOP and "
-        f"moves {found['bytes'] / 1e9:,.2f} GB in fp32 (counted op by op on meta tensors). "
-        f"{found['conv_flop_share']:.0%} of its FLOPs are convolutions, so plain PyTorch (TF32 convolutions, IEEE "
-        f"matmuls) trains it closest to {'tf32' if found['closest_default'] == 'tf32' else 'strict fp32'}: that "
-        "column is what a user of plain PyTorch starts from.")
-    lines += _census_lines(found)
-    gpu = found.get("gpu")
-    if not gpu:
-        where = f"{env['gpu']['name']} is not in the datasheet table" if env.get("gpu") else "this ran on a CPU"
-        return lines + ["", f"There is no bound to set beside the measurements: {where}. `ampbench roofline --gpu "
-                        "all` gives each precision's bound on every GPU of the table.", ""]
-    by_precision: dict[str, list[str]] = {}
-    for name, m in found["measured"].items():
-        by_precision.setdefault(m["precision"], []).append(
-            f"{name}: {fmt.times(m['speedup'])} measured, {m['of_roofline']:.0%} of the bound's img/s")
-    lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", ""]
-    return lines + roofline_table(gpu["table"], by_precision) + ["", ROOFLINE_NOTE, ""]
-
-
-ROOFLINE_NOTE = (
-    "What a roofline is: one training step counted op by op (FLOPs and the bytes each op reads and writes; eager "
-    "kernels, no fusion, fp8's scaling as torch.compile fuses it), each op at max(FLOPs / the datasheet peak of the "
-    "dtype it runs in, bytes / memory bandwidth). Its ratio is what switching precision would buy if both precisions "
-    "ran every kernel at the datasheet's peaks. Real kernels run below peak, and unevenly: a measured speedup above "
-    "the roofline ratio means the slower precision ran further below its peak.")
-
-
-def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]] | None = None) -> list[str]:
-    """One GPU's roofline per precision (``roofline.table``), with what was measured beside it when given."""
-    extra = " measured |" if measured is not None else ""
-    lines = ["| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share |" + extra,
-             "|---|---|---|---|---|---|" + ("---|" if extra else "")]
-    for rung, r in table.items():
-        if r is None:
-            lines.append(f"| {rung} | no {rung} tensor cores | | | | |" + (" |" if extra else ""))
-            continue
-        cell = f" {'; '.join(measured.get(rung, [])) or 'not run'} |" if measured is not None else ""
-        lines.append(f"| {rung} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
-                     f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} |" + cell)
-    return lines
-
-
-def memory(summary: dict, env: dict, runs: dict) -> list[str]:
-    """Every memory meter of every variant, and what each one counts."""
-    lines = ["## Memory, meter by meter", "",
-             "| variant | meter | peak (training) | peak reserved | first step (autotuning) | evaluation peak "
-             "| activations (one micro-batch) | parameters | gradients | optimizer state | data set on the device |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for name, r in summary["variants"].items():
-        reserved = "n/a on CPU" if r.get("mem_meter") == "process_peak_rss" else fmt.size(r.get("peak_reserved_bytes"))
-        cuda_only = "n/a on CPU" if r.get("mem_meter") == "process_peak_rss" else None
-        lines.append(f"| {name} | {r.get('mem_meter') or 'missing'} | {fmt.size(r['peak_mem_bytes'])} | {reserved} "
-                     f"| {cuda_only or fmt.size(r.get('first_step_peak_mem_bytes'))} "
-                     f"| {cuda_only or fmt.size(r.get('eval_peak_mem_bytes'))} "
-                     f"| {fmt.size(r['activation_bytes'])} | {fmt.size(r.get('param_bytes'))} "
-                     f"| {fmt.size(r.get('grad_bytes'))} | {fmt.size(r.get('optimizer_state_bytes'))} "
-                     f"| {fmt.size(r.get('dataset_bytes'))} |")
-    return lines + [
-        "", "Peak (training): on a GPU, CUDA `max_memory_allocated` over the steady-state training steps: from "
-        "each process's second step (the first one autotunes cuDNN, whose workspace is its own column) to the end "
-        "of each epoch's training, the counters reset with `reset_peak_memory_stats` alone; evaluation's peak is "
-        "its own column. Peak reserved is what the caching allocator held at most during training: it keeps the "
-        "blocks it has cached, autotuning workspace included, so it is not a steady-state figure. On a CPU, the "
-        "process's peak RSS, which counts "
-        "the interpreter and the data set too. Activations: bytes saved for backward, counted with "
-        "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
-        "across devices. Parameters, gradients and the optimizer's state (SGD's momentum: one value per parameter; "
-        "AdamW's two moments: two) stay fp32 in every variant. The data "
-        "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", "",
-        *not_made(summary, "activations"), *_optimizer_state_outweighs(summary)]
-
-
-def _optimizer_state_outweighs(summary: dict) -> list[str]:
-    """Where the optimizer's fp32 state outweighs the activations a variant saves against the baseline (at the
-    variant's micro-batch): why AMP can save little memory, or none, for a model with many parameters."""
-    rows = summary["variants"]
-    base = rows.get(summary["baseline"]) or {}
-    b_act, b_micro = base.get("activation_bytes"), base.get("micro_batch_size")
-    out = []
-    for name, r in rows.items():
-        act, micro, state = r.get("activation_bytes"), r.get("micro_batch_size"), r.get("optimizer_state_bytes")
-        if name == summary["baseline"] or None in (b_act, b_micro, act, micro, state) or not b_micro:
-            continue
-        saved = b_act / b_micro * micro - act
-        if 0 < saved < state:
-            out.append(f"{name}: its optimizer state ({r.get('optimizer') or 'the optimizer'}, {fmt.size(state)}) "
-                       f"outweighs the activations it saves against {summary['baseline']} ({fmt.size(saved)} per "
-                       "micro-batch): for this model and batch, the precision cannot cut memory much; a larger batch "
-                       "or input raises the share it can.")
-    return [*out, ""] if out else []
-
-
 def gpu_state(summary: dict, env: dict, runs: dict) -> list[str]:
     """SM clock, temperature, power and energy per image per variant (NVML samples); nothing without them."""
     rows = {n: r for n, r in summary["variants"].items() if r.get("gpu_sm_clock_mhz_median") is not None
@@ -351,94 +193,6 @@ def gpu_state(summary: dict, env: dict, runs: dict) -> list[str]:
                   "the baseline's: part of their speed difference is the clock's, not the precision's (the GPU may "
                   "have throttled, or boosted); rerun with the variants in another order to tell.", ""]
     return lines
-
-
-def safety(summary: dict, env: dict, runs: dict) -> list[str]:
-    """Skipped steps, non-finite losses, the accumulation check and the fp16 audit's layers at risk."""
-    lines = ["## Numerical safety", "",
-             "| variant | status | skipped (overflow) steps | inf/NaN-loss steps | final loss scale "
-             "| accumulation vs full batch (max rel. diff, fp32) |", "|---|---|---|---|---|---|"]
-    for name, r in summary["variants"].items():
-        scale = "n/a (no scaler)" if r.get("final_loss_scale") is None else f"{r['final_loss_scale']:g}"
-        lines.append(f"| {name} | {r.get('status', 'complete')} | {fmt.num(r.get('skipped_steps'), 'd')} "
-                     f"| {fmt.num(r.get('nonfinite_loss_steps'), 'd')} | {scale} "
-                     f"| {fmt.num(r.get('accum_grad_max_rel_diff'), '.1e', 'n/a')} |")
-    lines.append("")
-    accum = [(n, r) for n, r in summary["variants"].items() if r["accum_steps"] > 1]
-    if accum:
-        lines += ["The accumulation check runs BatchNorm in eval mode. In training, BatchNorm normalises each "
-                  "micro-batch with that micro-batch's own statistics ("
-                  + ", ".join(f"`{n}`: {r['accum_steps']} micro-batches per step" for n, r in accum)
-                  + "), so accumulated steps are not identical to full-batch steps; a difference in loss or "
-                  "accuracy against the unaccumulated variant can come from this, not from fp16.", ""]
-    for name in precision.names():  # what a rung says of its own numerics (fp8: its scaling, not a loss scale)
-        runs_of = [(n, r) for n, r in summary["variants"].items() if r["precision"] == name]
-        note = precision.rung(name).runs_note(runs_of) if runs_of else None
-        lines += [note, ""] if note else []
-    lines += not_made(summary, "accumulation", "audit")
-    lines += _grad_norms(summary["baseline"], runs)
-    for name, run in runs.items():
-        if run.get("numerics"):
-            lines += _audit(name, run)
-    return lines
-
-
-GRAD_NORM_RISE = 2.0  # a variant's late gradient norm this many times the baseline's is flagged
-
-
-def grad_norm_stats(run: dict) -> dict | None:
-    """A run's gradient norms before clipping (grad_norm.csv): median, largest and its step, the median of the
-    last tenth of the steps, the share clipped; None without finite norms (skipped fp16 steps' are inf)."""
-    rows = [(int(r["step"]), float(r["grad_norm"])) for r in run.get("grad_norm") or []]
-    finite = [(s, v) for s, v in rows if math.isfinite(v)]
-    if not finite:
-        return None
-    values = [v for _, v in finite]
-    step, largest = max(finite, key=lambda sv: sv[1])
-    clip = run["metrics"].get("clip_grad_norm")
-    return {"steps": len(rows), "median": statistics.median(values), "largest": largest, "largest_step": step,
-            "late": statistics.median(values[-max(1, len(values) // 10):]), "clip": clip,
-            "clipped": sum(v > clip for v in values) / len(values) if clip else None}
-
-
-def _grad_norms(baseline: str, runs: dict) -> list[str]:
-    stats = {n: s for n, r in runs.items() if (s := grad_norm_stats(r))}
-    if not stats:
-        return []
-    lines = ["Gradient norm before clipping, per optimizer step (figure `grad_norm.png`):", "",
-             "| variant | steps | median | largest (step) | median of the last tenth | clipped |",
-             "|---|---|---|---|---|---|"]
-    for n, s in stats.items():
-        clipped = f"{fmt.pct(s['clipped'])} of steps above {s['clip']:g}" if s["clip"] else "off"
-        lines.append(f"| {n} | {s['steps']} | {s['median']:.3g} | {s['largest']:.3g} ({s['largest_step']}) "
-                     f"| {s['late']:.3g} | {clipped} |")
-    base = stats.get(baseline)
-    risen = [n for n, s in stats.items() if base and n != baseline and s["late"] > GRAD_NORM_RISE * base["late"]]
-    lines += ["", "A gradient norm that rises in a low-precision run and not in the baseline is an early sign of "
-              "trouble: overflowing activations, a loss scale too high, a learning rate the precision cannot hold."
-              + (f" Risen against {baseline} (last tenth, more than {GRAD_NORM_RISE:g}x): "
-                 + ", ".join(f"{n} ({stats[n]['late'] / base['late']:.1f}x)" for n in risen) + "." if risen else ""),
-              ""]
-    return lines
-
-
-def _audit(name: str, run: dict) -> list[str]:
-    """The fp16 numerics audit of one run: its five layers most at risk."""
-    rows, scale = run["numerics"], run["metrics"].get("final_loss_scale")
-    at_risk = sorted(rows, key=lambda r: -float(r["grad_underflow"]))[:5]
-    at_risk = [r for r in at_risk if float(r["grad_underflow"]) > 0 or float(r["act_overflow"]) > 0]
-    lines = [f"fp16 numerics audit of `{name}` ({len(rows)} layers; gradients measured in fp32, then "
-             f"cast to fp16 unscaled and at the loss scale in use, {scale:g}):", ""]
-    if not at_risk:
-        lines.append("- no layer had gradient values that fp16 would flush to zero, or activations that "
-                     "would overflow.")
-    for r in at_risk:
-        lines.append(f"- `{r['layer']}` ({r['type']}, runs in {r['autocast_dtype']}): "
-                     f"{float(r['grad_underflow']):.2%} of its gradient values flush to zero in fp16 unscaled, "
-                     f"{float(r['grad_scaled_underflow']):.2%} at scale {scale:g}; "
-                     f"{float(r['grad_subnormal']):.2%} subnormal unscaled; "
-                     f"{float(r['act_overflow']):.2%} of activations overflow.")
-    return lines + [""]
 
 
 def figures(summary: dict, env: dict, runs: dict) -> list[str]:

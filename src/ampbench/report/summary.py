@@ -20,7 +20,7 @@ COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_tim
           "grad_comm", "imgs_per_s_per_process", "peak_window", "eval_peak_mem_bytes", "first_step_peak_mem_bytes",
           "gpu_sm_clock_mhz_median", "gpu_temperature_c_median", "gpu_power_w_median", "energy_per_image_j",
           "started_at", "fp8_recipe", "fp8_layers", "micro_batch_size", "optimizer", "optimizer_impl",
-          "clip_grad_norm", "grad_norm_logged", "data_placement", "data_workers", "not_made")
+          "optimizer_state_kept", "clip_grad_norm", "grad_norm_logged", "data_placement", "data_workers", "not_made")
 CLOCK_TOLERANCE = 0.05  # a variant whose median SM clock differs more from the baseline's ran on another GPU state
 
 

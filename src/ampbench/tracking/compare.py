@@ -13,17 +13,67 @@ where it ran several times, else the run's own bootstrap interval), and the stri
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 
+from ampbench import results
+from ampbench.config import MlflowConfig, tracking_uri
 from ampbench.measure.stats import mean_std, t975
+from ampbench.tracking import KEY_TAG, _experiment_id, _metric_value, file_key
 
-SPEEDUP, LO, HI = ("Compare/1_speedup_vs_strict_fp32", "Compare/6_speedup_vs_strict_fp32_ci95_lo",
-                   "Compare/6_speedup_vs_strict_fp32_ci95_hi")
+# The report's ratios, logged onto each variant's training run. MLflow gives a client no say in the order of
+# columns or chart sections: its UI sorts metric names by character code, so an upper-case section comes before
+# every lower-case one (eval/, train/, system/, the run's own figures), and the numbers keep the order within it.
+COMPARE = {"speedup": "Compare/1_speedup_vs_strict_fp32", "speedup_ci95": "Compare/6_speedup_vs_strict_fp32_ci95",
+           "vs_tf32": "Compare/2_speedup_vs_tf32", "mem_ratio": "Compare/3_peak_memory_vs_strict_fp32",
+           "activation_ratio": "Compare/4_activation_memory_vs_strict_fp32",
+           "acc_diff": "Compare/5_accuracy_diff_vs_strict_fp32_points"}
+
+
+def comparison_metrics(row: dict) -> dict[str, float]:
+    """One variant's ratios from summary.json's row, under ``COMPARE``'s names (the interval as _lo and _hi)."""
+    out = {}
+    for field, name in COMPARE.items():
+        value = row.get(field)
+        if field == "speedup_ci95":
+            if value and None not in value:
+                out[name + "_lo"], out[name + "_hi"] = float(value[0]), float(value[1])
+        elif (v := _metric_value(value)) is not None and math.isfinite(v):
+            out[name] = v * 100 if field == "acc_diff" else v
+    return out
+
+
+def log_comparison(cfg: MlflowConfig, repo_root: Path, summary_json: Path, runs_dir: Path) -> tuple[str, bool]:
+    """Put each variant's ratios (against strict fp32, against tf32) on its own training run, found by its
+    metrics file's key; a run not in the store yet is left for `ampbench mlflow-sync`."""
+    summary = json.loads(Path(summary_json).read_text())
+    uri = tracking_uri(cfg, repo_root)
+    client = MlflowClient(uri)
+    exp_id = _experiment_id(client, cfg, uri, repo_root)
+    done, now = [], int(time.time() * 1000)
+    for name, row in summary["variants"].items():
+        metrics_file = Path(runs_dir) / name / results.METRICS
+        if not metrics_file.is_file():
+            continue
+        found = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{file_key(metrics_file)}'",
+                                   max_results=1)
+        wanted = comparison_metrics(row)
+        if not found or not wanted:
+            continue
+        have = found[0].data.metrics
+        new = [Metric(k, v, now, 0) for k, v in wanted.items() if have.get(k) != v]
+        if new:
+            client.log_batch(found[0].info.run_id, metrics=new)
+            done.append(name)
+    return (", ".join(done) or "nothing new"), bool(done)
+SPEEDUP, LO, HI = COMPARE["speedup"], COMPARE["speedup_ci95"] + "_lo", COMPARE["speedup_ci95"] + "_hi"
 CONFIG = ("model.arch", "model.factory", "model.input_size", "train.batch_size", "train.epochs", "train.optimizer",
           "train.lr", "seed")  # with the dataset (name and digest): what must match for machines to be compared
 

@@ -20,6 +20,7 @@ import time
 import torch
 
 from ampbench import config, data, models, runplan
+from ampbench.config import optim
 from ampbench.errors import analysis, first_line
 from ampbench.measure import roofline
 from ampbench.precision import BASELINE, converting, names, spec
@@ -109,7 +110,7 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
     out = {"model": name, "params": params, "input_size": size, "num_classes": num_classes, "rows": rows}
 
     try:
-        found, count_s = _timed(roofline.for_config, cfg, precisions=ROOFLINE_PRECISIONS)
+        found, count_s = _timed(roofline.for_config, cfg, optim.for_count, precisions=ROOFLINE_PRECISIONS)
         per_image = found["summary"]["flops"] / found["batch"]
         ratios = {}
         for gpu in ZOO_GPUS:

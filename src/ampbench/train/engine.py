@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ampbench import models
+from ampbench.config import micro_batch
 from ampbench.data import Batches, DeviceBatches, StreamBatches
-from ampbench.errors import AmpbenchError, NonFiniteTraining, analysis
+from ampbench.errors import NonFiniteTraining, analysis
 from ampbench.measure import clock, flops, memory
 from ampbench.precision import tf32_flags
 from ampbench.runplan import RunPlan
-from ampbench.train import checkpoint, distributed, numerics, probes, setup, step
-from ampbench.train.policy import PrecisionPolicy, micro_batch_size
+from ampbench.train import checkpoint, distributed, ledger, numerics, probes, setup, step
+from ampbench.train.policy import PrecisionPolicy
 
 
 def make_batches(plan: RunPlan, data: dict, world: distributed.World = distributed.SINGLE) -> tuple[Batches, Batches]:
@@ -92,19 +93,12 @@ class Trainer:
         self.tf32 = tf32_flags()  # as build() set them
         self.train_batches, self.test_batches = make_batches(plan, data, world)
         self.steps_per_epoch = len(self.train_batches)
-        self.sched = setup.schedule(self.opt, plan.train.epochs * self.steps_per_epoch, self.scaler)
-        # a fused optimizer under fp16: skips known on the device, settled at the loop's syncs (``settle``)
-        self.deferred = setup.skips_on_device(self.opt, self.scaler)
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (found_inf, loss, images) per step
-        # the gradient norm before clipping, per optimizer step: kept on the device, read at the loop's syncs
         self.log_norms = bool(plan.train.clip_grad_norm) or plan.train.log_grad_norm
-        self.pending_norms: list[torch.Tensor] = []
-        self.grad_norms: list[dict] = []
-        if plan.train.batch_size % (world.size * plan.accum_steps):
-            raise AmpbenchError(f"train.batch_size = {plan.train.batch_size} does not split into {world.size} "
-                                f"processes x accum_steps = {plan.accum_steps} equal micro-batches; choose a "
-                                f"multiple of {world.size * plan.accum_steps}")
-        self.micro = micro_batch_size(plan.train.batch_size // world.size, plan.accum_steps)  # per rank
+        # skipped steps, the loss scale, the schedule, the epoch's loss: what the host knows of each step
+        self.ledger = ledger.StepLedger(self.opt, self.scaler, plan.train.epochs * self.steps_per_epoch, device, world,
+                                        plan.amp.max_consecutive_nonfinite if plan.amp else 1, self.log_norms,
+                                        self.fail)
+        self.micro = micro_batch(plan.train.batch_size, world.size, plan.accum_steps)  # per rank
         x, y = next(self.train_batches.epoch(0))
         # analyses before training (FLOPs per image: 8 suffice): one that fails is said, never fatal
         self.not_made: dict[str, str] = {}  # analysis -> why it could not be made
@@ -120,19 +114,12 @@ class Trainer:
         # autotuned the one training shape), and evaluation apart
         self.peaks = memory.PeakWindows(device)
 
-        # Progress; everything here goes into a checkpoint.
-        self.epoch = self.step_in_epoch = self.global_step = self.skipped = 0
-        self.nonfinite_steps = self.consecutive_nonfinite = 0
-        self.max_nonfinite = plan.amp.max_consecutive_nonfinite if plan.amp else 1
+        # Progress; everything here (and the ledger) goes into a checkpoint.
+        self.epoch = self.step_in_epoch = self.global_step = 0
         self.last_batch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.diagnosis: dict | None = None
-        self.taken = step.TakenSteps(self.opt)  # the steps GradScaler let through, seen without a sync
-        self.host_scale = step.HostScale(self.scaler) if self.policy.uses_scaler else None
-        self.last_scale = self.host_scale.scale if self.host_scale else None
-        self.scale_history = [{"step": 0, "scale": self.last_scale, "skipped": False}] if self.last_scale else []
         self.history: list[dict] = []
         self.best_acc = 0.0
-        self.loss_sum, self.seen = torch.zeros((), device=device), 0  # this epoch's, summed on the device
         self.clock = clock.StepClock(device, plan.train.warmup_steps)  # checkpointed, but for its warm-up count
         self.stop_requested = False  # Ctrl-C seen by this process
         self.stop_agreed = False     # under DDP: Ctrl-C seen by some rank, as of the last sync
@@ -149,83 +136,22 @@ class Trainer:
 
     def optimizer_step(self, x: torch.Tensor, y: torch.Tensor) -> bool | None:
         """Train on one batch; return True if the scaler skipped the step (an inf/NaN gradient), or None where
-        only the device knows yet (a fused optimizer under fp16: ``settle`` accounts for it at the next sync)."""
+        only the device knows yet (a fused optimizer under fp16: the ledger settles it at the next sync)."""
         n = len(y)
         self.last_batch = (x, y)  # kept (not copied) for a diagnosis if this step goes non-finite
         # this rank's share of the global batch, times the world: DDP's mean over ranks is the batch's mean
         # (exactly 1 in one process, and wherever the slices are equal)
         weight = n * self.world.size / self.train_batches.global_count(self.step_in_epoch)
-        taken = self.taken.count
+        mark = self.ledger.mark()
         loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro, weight,
-                               self.plan.train.clip_grad_norm, self.pending_norms if self.log_norms else None)
-        if self.deferred:
-            found_inf = self.taken.found_inf
-            self.sched.step(found_inf)  # on the device: the schedule advances only if the step was taken
-            self.loss_sum.add_(torch.where(torch.isfinite(loss), loss, 0.0), alpha=n)  # settle uncounts the rest
-            self.seen += n
-            self.pending.append((found_inf, loss.detach(), n))
-            return None
-        skipped = self.taken.count == taken  # GradScaler's one sync decided it; no second one here
-        nonfinite_loss = False
-        if self.host_scale is not None and skipped:
-            # Only a skipped step can carry an inf/NaN loss; asking costs a sync on those steps alone. Every
-            # rank skips the same steps (the all-reduced gradients are the same), and all count a loss that
-            # went inf/NaN on any rank, so their counters and the decision to stop stay the same.
-            nonfinite_loss = self.world.reduce([float(not torch.isfinite(loss))], "max")[0] > 0
-        if not skipped:
-            self.sched.step()  # a skipped step did not change the weights, so neither does the LR schedule
-        if not nonfinite_loss:
-            self.loss_sum.add_(loss, alpha=n)
-            self.seen += n
-        self.account(self.global_step + 1, skipped, nonfinite_loss)
-        return skipped
-
-    def account(self, step_number: int, skipped: bool, nonfinite_loss: bool) -> None:
-        """The host's counters after optimizer step ``step_number``: skipped steps, the loss scale and its history,
-        inf/NaN losses in a row (stopping the run at amp.max_consecutive_nonfinite)."""
-        if self.host_scale is not None:
-            scale = self.host_scale.update(skipped)  # the scale GradScaler now holds, without reading it
-            if scale != self.last_scale:
-                self.scale_history.append({"step": step_number, "scale": scale, "skipped": skipped})
-            self.last_scale = scale
-        if skipped:
-            self.skipped += 1
-        if nonfinite_loss:
-            self.nonfinite_steps += 1
-            self.consecutive_nonfinite += 1
-            if self.consecutive_nonfinite >= self.max_nonfinite:
-                self.fail(f"{self.consecutive_nonfinite} steps in a row had an inf/NaN loss "
-                          f"(amp.max_consecutive_nonfinite = {self.max_nonfinite})")
-        else:
-            self.consecutive_nonfinite = 0
-
-    def settle(self) -> None:
-        """At a sync the loop makes anyway: read the gradient norms kept on the device, and account for the steps
-        whose skip only the device knew (a fused optimizer under fp16): one read of their found-inf flags and loss
-        checks. The ranks agree on the skips (the
-        gradients are all-reduced) and take the largest of their inf/NaN-loss flags, as the host path does."""
-        if self.pending_norms:
-            first = self.global_step - len(self.pending_norms) + 1
-            values = torch.stack([n.reshape(()).float() for n in self.pending_norms]).tolist()
-            self.grad_norms += [{"step": first + i, "grad_norm": v} for i, v in enumerate(values)]
-            self.pending_norms = []
-        if not self.pending:
-            return
-        pending, self.pending = self.pending, []
-        flags = torch.stack([torch.stack([f.reshape(()).float(), (~torch.isfinite(loss)).float()])
-                             for f, loss, _ in pending]).tolist()
-        nonfinite = self.world.reduce([bad for _, bad in flags], "max")
-        first = self.global_step - len(pending) + 1
-        for i, ((skipped, _), bad, (_, _, n)) in enumerate(zip(flags, nonfinite, pending, strict=True)):
-            if bad > 0:
-                self.seen -= n  # its loss was left out of the sum on the device
-            self.account(first + i, skipped > 0, bad > 0)
+                               self.plan.train.clip_grad_norm, self.ledger.norms)
+        return self.ledger.record(mark, loss, n)
 
     def fail(self, why: str) -> None:
         """Stop the run with a diagnosis: which module first produced inf/NaN, and which gradient."""
         x, y = self.last_batch
         self.peaks.close()  # the diagnosis's own passes are not training's
-        self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.last_scale or 1.0)
+        self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.ledger.last_scale or 1.0)
         self.diagnosis["reason"] = why
         raise NonFiniteTraining(
             f"[{self.plan.variant}] training stopped at epoch {self.epoch + 1}, step {self.step_in_epoch + 1}: "
@@ -257,34 +183,33 @@ class Trainer:
                 self.step_in_epoch += 1
                 bar.update(1)
                 if self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch:
-                    self.settle()  # gradient norms, a fused optimizer's skips: read where the loop syncs anyway
+                    self.ledger.settle()  # gradient norms, a fused optimizer's skips: read where the loop syncs
                     mean_loss = self.mean_loss()  # a sync every 25 steps
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.sched.get_last_lr()[0]:.3g}")
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.ledger.sched.get_last_lr()[0]:.3g}")
                     if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
                         self.fail("the training loss became inf/NaN")
             ep_images, ep_ms = self.clock.end()  # the last step's cycle ends with the loop, as the others do
         bar.close()
-        self.settle()  # a stop mid-window: before the checkpoint
+        self.ledger.settle()  # a stop mid-window: before the checkpoint
         if self.step_in_epoch < self.steps_per_epoch:
             return None  # stopped mid-epoch
         # all ranks' images per wall second of the slowest rank; the ranks' scalers must agree
         ep_ms = self.world.reduce([ep_ms], "max")[0]
-        self.check_scale()
+        self.ledger.check_scale(plan.variant)
         distributed.check_agree(self.world, "the GradScaler's scale, skipped and inf/NaN-loss steps",
-                                (self.last_scale, self.skipped, self.nonfinite_steps, len(self.scale_history),
-                                 self.scale_history[-1] if self.scale_history else None))
+                                self.ledger.agreed())
         self.peaks.open("eval")
         ev = evaluate(self.model, self.test_batches, self.policy, self.world)
         self.peaks.close()
         self.best_acc = max(self.best_acc, ev["acc"])
         train_loss = mean_loss if mean_loss is not None else self.mean_loss()  # the last step's sync has it
         row = {"epoch": epoch + 1, "train_loss": train_loss, "eval_loss": ev["loss"],
-               "eval_acc": ev["acc"], "lr": self.sched.get_last_lr()[0], "loss_scale": self.last_scale,
-               "skipped_steps": self.skipped, "epoch_time_s": wall["s"],
+               "eval_acc": ev["acc"], "lr": self.ledger.sched.get_last_lr()[0], "loss_scale": self.ledger.last_scale,
+               "skipped_steps": self.ledger.skipped, "epoch_time_s": wall["s"],
                "imgs_per_s": ep_images / (ep_ms / 1000) if ep_ms else None}
         self.history.append(row)
         self.epoch, self.step_in_epoch = epoch + 1, 0
-        self.loss_sum, self.seen = torch.zeros((), device=self.device), 0
+        self.ledger.new_epoch()
         if self.progress:
             done = self.global_step / (plan.train.epochs * self.steps_per_epoch)
             eta = (time.perf_counter() - self.t_start) * (1 - done) / max(done, 1e-9)
@@ -292,14 +217,6 @@ class Trainer:
             tqdm.write(f"[{plan.variant}] epoch {epoch + 1}/{plan.train.epochs}: train loss {row['train_loss']:.4f}, "
                        f"eval acc {ev['acc']:.4f}, {ips}, {wall['s']:.1f}s, ETA {eta:.0f}s")
         return row
-
-    def check_scale(self) -> None:
-        """Once an epoch (a sync the epoch's end makes anyway): the host's mirror of the loss scale is the
-        GradScaler's own, or the skip detection is wrong and the counters cannot be trusted."""
-        if self.host_scale is not None and self.host_scale.scale != self.scaler.get_scale():
-            raise AmpbenchError(f"[{self.plan.variant}] the loss scale followed on the host "
-                                f"({self.host_scale.scale:g}) differs from the GradScaler's "
-                                f"({self.scaler.get_scale():g}): skipped steps were miscounted")
 
     def stop_now(self) -> bool:
         """Stop after this step (Ctrl-C): at once in one process; under DDP once the ranks agree on it."""
@@ -310,26 +227,22 @@ class Trainer:
 
         Under DDP the same all-reduce carries whether any rank has seen Ctrl-C, so all stop after the same step.
         """
-        total, seen, stop = self.world.reduce([self.loss_sum.item(), self.seen, float(self.stop_requested)])
+        total, seen, stop = self.world.reduce([self.ledger.loss_sum.item(), self.ledger.seen,
+                                               float(self.stop_requested)])
         self.stop_agreed = stop > 0
         return total / max(1, seen)
 
     # --- checkpoints ---------------------------------------------------------------------------
 
-    _SCALARS = ("epoch", "step_in_epoch", "global_step", "skipped", "last_scale", "scale_history", "history",
-                "best_acc", "seen", "nonfinite_steps", "consecutive_nonfinite", "grad_norms")
+    _SCALARS = ("epoch", "step_in_epoch", "global_step", "history", "best_acc")
 
     def state_dict(self) -> dict:
         """The whole training state; under DDP every rank calls it (the epoch's loss sum and image count are summed
         over the ranks and resume on rank 0; the clock counts every rank's images already), and rank 0 writes it."""
-        self.settle()
-        state = {k: getattr(self, k) for k in self._SCALARS}
-        loss_sum, seen = self.world.reduce([self.loss_sum.item(), self.seen])
-        state["seen"] = int(seen)
+        state = {**{k: getattr(self, k) for k in self._SCALARS}, **self.ledger.state_dict()}
         peaks = self.peaks.from_flat(self.world.reduce(self.peaks.flat(), "max"))  # every rank's largest
         state.update(clock=self.clock.state_dict(), peaks=peaks, model=checkpoint.plain_state(self.model.state_dict()),
-                     opt=self.opt.state_dict(), sched=self.sched.state_dict(), scaler=self.scaler.state_dict(),
-                     loss_sum=loss_sum,
+                     opt=self.opt.state_dict(), scaler=self.scaler.state_dict(),
                      rng_cpu=torch.get_rng_state(),
                      rng_cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
         return state
@@ -340,13 +253,7 @@ class Trainer:
         self.clock.load_state_dict(state["clock"])
         self.peaks.load_state_dict(state["peaks"])
         self.setup.load_state(state["model"], state["opt"], state["scaler"])
-        if self.host_scale is not None:
-            self.host_scale = step.HostScale(self.scaler)  # the resumed scale and growth tracker
-        self.sched.load_state_dict(state["sched"])
-        self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
-        if not self.world.main:  # the sums over the ranks resume on rank 0 alone
-            self.loss_sum.zero_()
-            self.seen = 0
+        self.ledger.load_state_dict(state, self.global_step)
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state_all(state["rng_cuda"])

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ampbench import models, precision
+from ampbench.config import optim
 from ampbench.measure import flops, memory, stats
 
 
@@ -82,8 +83,8 @@ def run_result(t) -> RunResult:
         "optimizer_state_bytes": memory.optimizer_state_bytes(t.opt),
         "dataset_bytes": t.train_batches.nbytes + t.test_batches.nbytes,
         "final_acc": last["eval_acc"], "best_acc": t.best_acc, "final_loss": last["train_loss"],
-        "final_eval_loss": last["eval_loss"], "final_loss_scale": t.last_scale,
-        "skipped_steps": t.skipped, "nonfinite_loss_steps": t.nonfinite_steps,
+        "final_eval_loss": last["eval_loss"], "final_loss_scale": t.ledger.last_scale,
+        "skipped_steps": t.ledger.skipped, "nonfinite_loss_steps": t.ledger.nonfinite_steps,
         "optimizer_steps": t.global_step, "accum_grad_max_rel_diff": t.accum_check,
         "train_flops_per_image": t.flops_per_image,  # forward + backward, torch.utils.flop_counter
         "achieved_tflops": achieved, "peak_tflops_datasheet": peak, "peak_precision": peak_prec,
@@ -97,11 +98,12 @@ def run_result(t) -> RunResult:
         "fp8_recipe": plan.fp8_recipe,  # fp8 only: torchao's recipe, and how many layers it converted
         "fp8_layers": fp8_layers,
         "optimizer": plan.train.optimizer, "optimizer_impl": plan.train.optimizer_impl,
+        "optimizer_state_kept": optim.info(plan.train.optimizer).state_words,  # the report's words for its state
         "clip_grad_norm": plan.train.clip_grad_norm or None,
         "grad_norm_logged": t.log_norms,  # one norm per timed step too: part of what was timed
     }
     if not c.cycle_ms:
         metrics["timing_note"] = (f"no step was timed: every step fell within train.warmup_steps = "
                                   f"{plan.train.warmup_steps}")
-    return RunResult(metrics=metrics, history=t.history, scale_history=t.scale_history, grad_norms=t.grad_norms,
-                     step_times_ms=c.cycle_ms, step_rates=rates)
+    return RunResult(metrics=metrics, history=t.history, scale_history=t.ledger.scale_history,
+                     grad_norms=t.ledger.grad_norms, step_times_ms=c.cycle_ms, step_rates=rates)

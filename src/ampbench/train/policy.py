@@ -61,10 +61,3 @@ class PrecisionPolicy:
         a = self.amp or AmpConfig()
         return torch.amp.GradScaler(self.device_type, init_scale=a.init_scale, growth_factor=a.growth_factor,
                                     backoff_factor=a.backoff_factor, growth_interval=a.growth_interval)
-
-
-def micro_batch_size(batch_size: int, accum_steps: int) -> int:
-    """The micro-batch of an accumulating variant; the effective batch stays ``batch_size``."""
-    if accum_steps < 1 or batch_size % accum_steps:
-        raise ValueError(f"accum_steps={accum_steps} must divide batch_size={batch_size}")
-    return batch_size // accum_steps

@@ -107,7 +107,7 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     # analyses after training (never inside a timed step): one that fails is a warning and a line in the report
     if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model, which writes the result
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
-        result.numerics = trainer.analysis("audit", numerics.audit, trainer.model, audit, trainer.last_scale,
+        result.numerics = trainer.analysis("audit", numerics.audit, trainer.model, audit, trainer.ledger.last_scale,
                                            trainer.device.type) or []
     if profile and plan.profile.steps:
         if progress and world.main:

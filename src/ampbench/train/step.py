@@ -7,9 +7,6 @@ micro-batches; ``train_step`` adds the zeroing, the scaler's step and update.
 
 from __future__ import annotations
 
-import math
-import struct
-
 import torch
 import torch.nn.functional as F
 
@@ -76,59 +73,3 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch
     scaler.step(opt)  # unscales (if not done above), and skips the update if any gradient is inf/NaN
     scaler.update()   # once per optimizer step, not per micro-batch
     return loss
-
-
-class TakenSteps:
-    """Counts the optimizer steps really taken, with no host sync of its own.
-
-    ``GradScaler.step`` checks the unscaled gradients for inf/NaN (its one sync, an ``.item()``) and calls
-    ``optimizer.step()`` only when there were none, so a post-step hook on the optimizer sees exactly the steps
-    taken: a step whose count did not move was skipped. A disabled scaler always steps.
-
-    A fused optimizer breaks this: GradScaler hands it the found-inf flag on the device (``opt.found_inf``) and
-    its ``step()`` always runs, skipping the update on the device, with no sync at all. A pre-step hook keeps that
-    flag (``found_inf``); the trainer then follows the LR schedule on the device (``setup.DeviceSchedule``) and
-    reads the flags, with the counters they drive, at its next sync (``Trainer.settle``).
-    """
-
-    def __init__(self, opt: torch.optim.Optimizer):
-        self.count = 0
-        self.found_inf: torch.Tensor | None = None
-        self._handles = (opt.register_step_pre_hook(self._before), opt.register_step_post_hook(self._taken))
-
-    def _before(self, opt, args, kwargs) -> None:
-        self.found_inf = getattr(opt, "found_inf", None)
-
-    def _taken(self, opt, args, kwargs) -> None:
-        self.count += 1
-
-
-class HostScale:
-    """The GradScaler's loss scale mirrored on the host from the skips, as ``torch._amp_update_scale_`` changes
-    it: backoff on a skipped step, growth after ``growth_interval`` steps taken in a row. Reading the real scale
-    (``get_scale``) is an ``.item()``: a second sync per step that fp32 and bf16 do not pay."""
-
-    def __init__(self, scaler: torch.amp.GradScaler):
-        state = scaler.state_dict()  # an enabled scaler's: one read, at the start or after a resume
-        self.scale = float(state["scale"])
-        self.tracker = int(state["_growth_tracker"])
-        self.growth = float(state["growth_factor"])
-        self.backoff = float(state["backoff_factor"])
-        self.interval = int(state["growth_interval"])
-
-    @staticmethod
-    def _float32(x: float) -> float:
-        return struct.unpack("f", struct.pack("f", x))[0] if math.isfinite(x) and abs(x) < 3.4e38 else math.inf
-
-    def update(self, skipped: bool) -> float:
-        """The scale after a step, rounded as the scaler's float32 tensor is (its factors are doubles)."""
-        if skipped:
-            self.scale = self._float32(self.scale * self.backoff)
-            self.tracker = 0
-        else:
-            self.tracker += 1
-            if self.tracker == self.interval:
-                grown = self._float32(self.scale * self.growth)
-                self.scale = grown if math.isfinite(grown) else self.scale
-                self.tracker = 0
-        return self.scale

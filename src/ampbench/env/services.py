@@ -1,0 +1,81 @@
+"""What runs beside training: the DVC experiment queue's workers, and the MLflow tracking store a stage
+will log to.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from ampbench.errors import EnvironmentMismatch
+
+
+def queue_workers(root: Path) -> int:
+    """DVC experiment-queue workers running for the repository at ``root`` (``dvc queue start -j N`` starts N):
+    each runs one queued experiment at a time, so N > 1 trains several at once on this machine."""
+    found = 0
+    for info in (Path(root) / ".dvc" / "tmp" / "exps" / "celery").glob("dvc-exp-worker-*.json"):
+        try:
+            proc = psutil.Process(int(json.loads(info.read_text())["pid"]))
+            found += proc.is_running() and "queue-worker" in " ".join(proc.cmdline())
+        except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+            continue  # a worker that has exited (its files stay behind)
+    return found
+
+
+def check_queue(root: Path, experiment: str | None) -> None:
+    """Stop a queued experiment when other queue workers would train beside it: several trainings on one GPU
+    measure each other, and several writers share one SQLite tracking store."""
+    workers = queue_workers(root) if experiment else 0
+    if workers > 1:
+        raise EnvironmentMismatch(
+            f"experiment {experiment} runs beside {workers - 1} other DVC queue worker(s) (dvc queue start -j "
+            f"{workers}): their trainings would share this machine and time each other; run the queue with one "
+            "worker: dvc queue stop, then dvc queue start (and dvc exp run --run-all for the failed ones)")
+
+
+DATABASES = ("postgresql", "mysql", "mssql")  # tracking stores a client would write to directly (not sqlite)
+
+
+def check_tracking_server(uri: str, timeout: float = 5.0) -> str | None:
+    """A problem description if the tracking store cannot take runs, else None: an http(s) server that does not
+    answer /health in time, or answers but cannot reach its own database (it lists no experiment); a database URI
+    that does not connect (bad host, port or password). The description never holds a password."""
+    if uri.split(":", 1)[0].split("+", 1)[0] in DATABASES:
+        return _check_database(uri, timeout)
+    if not uri.startswith(("http://", "https://")):
+        return None
+    base = uri.rstrip("/")
+    try:
+        with urllib.request.urlopen(base + "/health", timeout=timeout) as response:
+            if response.status != 200:
+                return f"answered HTTP {response.status}"
+        with urllib.request.urlopen(base + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=timeout):
+            return None
+    except urllib.error.HTTPError as err:  # the server is up; its store (a database behind it) is not
+        body = err.read().decode(errors="replace")[:300]
+        return (f"answers, but not for its runs (HTTP {err.code}"
+                + (f": {_one_line(body)}" if body else "") + "): is its database up?")
+    except (OSError, ValueError) as err:  # refused, timed out, bad host
+        reason = getattr(err, "reason", None) or err
+        return f"did not answer within {timeout:g}s ({reason})" if "timed out" in str(reason) else f"{reason}"
+
+
+def _one_line(text: str) -> str:
+    from ampbench.config import redact_text
+    return redact_text(" ".join(text.split()))
+
+
+def _check_database(uri: str, timeout: float) -> str | None:
+    import sqlalchemy  # MLflow's own dependency: the database store is SQLAlchemy's
+    try:
+        engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": int(max(1, timeout))})
+        with engine.connect():
+            return None
+    except Exception as err:  # a missing driver, a refused connection, a bad password: one line either way
+        first = (str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__])[0]
+        return f"could not be reached ({_one_line(first)})"

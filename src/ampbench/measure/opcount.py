@@ -1,0 +1,246 @@
+"""The op counter: one training step of a model, op by op, on meta tensors.
+
+``count(model, x, y, precision, optimizer)`` runs one training step (forward, loss, backward, optimizer step) on
+meta tensors, which hold shapes and dtypes but no data, so a ResNet-18 step at batch 256 costs milliseconds on
+any CPU. A ``TorchDispatchMode`` sees every aten op below autograd and records its FLOPs (torch's own
+``flop_counter`` formulas: convolutions, matmuls, attention) and the bytes it reads and writes (each tensor
+argument and result once, views free).
+
+CUDA autocast is played by ``measure.cuda_autocast`` (a meta tensor has no autocast).
+Attention is counted as the fused kernel a GPU runs (memory-efficient attention), not the math path meta tensors
+would take. fp16 adds GradScaler's unscale pass over the gradients. fp8 converts the model as training does (torchao's
+float8 Linear layers: their GEMMs run on float8 tensors), and its scaling is counted as ``torch.compile`` fuses it
+(an amax pass and a cast pass per tensor; torchao's fp8 is only fast compiled), everything else as eager.
+
+The optimizer is passed in (``make_optimizer``): what trains the model is training's to build.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from ampbench.measure.cuda_autocast import Autocast, cannot_count
+
+CATEGORIES = ("conv", "matmul", "attention", "memory-bound ops")
+
+
+@dataclass
+class Op:
+    name: str          # the aten op, or "cast" / "unscale (GradScaler)"
+    dtype: str         # the dtype its math runs in: float32, float16, bfloat16, float8
+    flops: float
+    bytes: float
+    phase: str         # forward | backward | optimizer
+
+    @property
+    def category(self) -> str:
+        if not self.flops:
+            return "memory-bound ops"
+        if "conv" in self.name:
+            return "conv"
+        return "attention" if "attention" in self.name else "matmul"
+
+
+def _float8_data(t: torch.Tensor) -> torch.Tensor | None:
+    """The fp8 payload of a torchao float8 training tensor (a subclass whose dtype says its original one)."""
+    data = getattr(t, "_data", None)
+    return data if isinstance(data, torch.Tensor) and data.dtype.itemsize == 1 and data.is_floating_point() else None
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """The memory a tensor spans (an expanded tensor reads its storage once; a float8 tensor its fp8 bytes)."""
+    data = _float8_data(t)
+    if data is not None:
+        t = data
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True) if stride)
+    return min(span, t.numel()) * t.element_size()
+
+
+_NO_TRAFFIC = frozenset(("_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "detach",
+                         "_record_function_enter_new", "_record_function_exit", "lift_fresh"))
+
+
+def _is_view(func) -> bool:
+    """A view, or an op that moves no data (its result aliases its input, or is allocated and left unwritten)."""
+    return func._overloadpacket.__name__ in _NO_TRAFFIC or any(
+        r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+class StepCounter(TorchDispatchMode):
+    """Records every op of one training step as an ``Op``, playing CUDA autocast to ``low`` (None: fp32).
+
+    Entering it enters ``_Autocast`` too, which casts the forward's inputs; this mode, below autograd, records every
+    aten op that results (the casts as "cast") in ``phase``, which the step sets: forward, backward, optimizer.
+    """
+
+    def __init__(self, low: torch.dtype | None, scaling_files: tuple[str, ...] = (), block_fp8=None):
+        super().__init__()
+        self.low, self.phase, self.ops, self.scaling_files = low, "forward", [], scaling_files
+        self.block_fp8 = block_fp8  # (shape, shape) -> whether a GEMM runs in block-scaled fp8 (mxfp8)
+        self._autocast = Autocast(self)
+        self._fp8_source_itemsize = 4  # the element size of the tensor fp8 last took an amax of
+
+    def __enter__(self):
+        self._autocast.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, exc_type, exc_val, exc_tb):
+        super().__exit__(exc_type, exc_val, exc_tb)
+        self._autocast.__exit__(exc_type, exc_val, exc_tb)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # the torch calls a meta kernel or torchao's float8 tensor makes are no model's: autocast stays out of them
+        with torch._C.DisableTorchFunction():
+            return self._record(func, args, kwargs or {})
+
+    def _record(self, func, args: tuple, kwargs: dict):
+        name = func._overloadpacket.__name__
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # a value read on the host (Adafactor's ``.item()`` of a norm): a meta tensor holds none, and the count
+            # needs none; the read is a copy of one element to the host
+            self.ops.append(Op("host read (.item())", str(args[0].dtype).removeprefix("torch."), 0.0,
+                               float(args[0].element_size()), self.phase))
+            return 1.0
+        try:
+            out = func(*args, **kwargs)
+        except Exception as err:
+            raise cannot_count(f"op {func}", err) from None
+        if _is_view(func):
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        moved = sum(_bytes(t) for t in tensors) + sum(_bytes(t) for t in outs)
+        counter = flop_registry.get(func._overloadpacket)
+        flops = float(counter(*args, **kwargs, out_val=out)) if counter else 0.0
+        if self.scaling_files and not flops and _called_from(self.scaling_files):
+            moved = self._fused_float8_bytes(name, tensors, outs)
+            if not moved:
+                return out
+            name = "fp8 scaling and cast"
+        mats = [t for t in tensors if t.dim() == 2]
+        if flops and self.block_fp8 and len(mats) >= 2 and self.block_fp8(tuple(mats[-2].shape), tuple(mats[-1].shape)):
+            self._block_fp8_gemm(name, flops, tensors, mats[-2:], outs)
+            return out
+        floating = [t for t in tensors if t.is_floating_point()]
+        fp8 = [d for d in map(_float8_data, floating) if d is not None]
+        dtype = fp8[0].dtype if fp8 else floating[0].dtype if floating else (outs[0].dtype if outs else torch.float32)
+        op_name = "cast" if name == "_to_copy" else name
+        self.ops.append(Op(op_name, str(dtype).removeprefix("torch."), flops, float(moved), self.phase))
+        return out
+
+    def _block_fp8_gemm(self, name: str, flops: float, tensors: list, operands: list, outs: list) -> None:
+        """A GEMM in block-scaled fp8 (MX): each operand cast first (read in its dtype, written as fp8 with one
+        e8m0 scale per 32 values), then the GEMM reads those and writes its output in its own dtype."""
+        block = 1 + 1 / 32  # an fp8 byte per value and a scale byte per block
+        for t in operands:
+            self.ops.append(Op("fp8 block cast", str(t.dtype).removeprefix("torch."), 0.0,
+                               float(_bytes(t) + t.numel() * block), self.phase))
+        rest = sum(_bytes(t) for t in tensors if not any(t is o for o in operands)) + sum(_bytes(t) for t in outs)
+        self.ops.append(Op(name, "float8_e4m3fn", flops, float(sum(t.numel() for t in operands) * block + rest),
+                           self.phase))
+
+    def _fused_float8_bytes(self, name: str, tensors: list, outs: list) -> float:
+        """fp8's scaling as torch.compile fuses it: an amax pass reads the tensor, the cast reads it again and
+        writes fp8; the elementwise steps between (abs, the upcast, clamp, the scale's arithmetic) fuse into those
+        two and move nothing. The cast is charged for reading the tensor the amax read, in its own dtype."""
+        if name in ("amax", "max", "aminmax") and tensors:
+            self._fp8_source_itemsize = tensors[0].element_size()
+            return float(_bytes(tensors[0]))
+        if outs and outs[0].dtype.itemsize == 1 and outs[0].is_floating_point():
+            return float(outs[0].numel() * (self._fp8_source_itemsize + 1))
+        return 0.0
+
+
+def _called_from(files: tuple[str, ...]) -> bool:
+    """Whether the op being dispatched was called from a rung's scaling and casting code (torchao's float8: amax,
+    scale, saturated cast; its other ops, a bias add, are eager)."""
+    frame = sys._getframe(2)
+    for _ in range(40):
+        if frame is None:
+            return False
+        if "torchao" in frame.f_code.co_filename and frame.f_code.co_filename.endswith(files):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
+          make_optimizer, fp8_recipe: str | None = None) -> list[Op]:
+    """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors.
+
+    ``model`` is prepared as the precision trains it (fp8: torchao converts its eligible Linear layers, whose
+    GEMMs then run on float8 tensors) and moved to the meta device (pass a copy); ``make_optimizer(params)``
+    builds the optimizer the training uses. One step first, so the optimizer's state exists (the counted step is
+    a steady one).
+    """
+    from ampbench.precision import spec
+
+    rung = spec(precision)
+    block_fp8 = rung.converted_gemms(model, fp8_recipe)
+    model = rung.roofline_model(model, fp8_recipe).to("meta")
+    x, y = x.to("meta"), y.to("meta")
+    opt = make_optimizer(model.parameters())
+    low = getattr(torch, rung.autocast) if rung.autocast else None
+
+    def step(counter: StepCounter):
+        opt.zero_grad(set_to_none=True)
+        counter.phase = "forward"
+        loss = F.cross_entropy(model(x), y)
+        counter.phase = "backward"
+        loss.backward()
+        counter.phase = "optimizer"
+        if rung.grad_scaler:  # GradScaler's unscale_: read and write every gradient once
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            counter.ops.append(Op("unscale (GradScaler)", "float32", 0.0, float(2 * sum(_bytes(g) for g in grads)),
+                                  "optimizer"))
+        opt.step()
+
+    fuse = rung.scaling_files
+    with StepCounter(low, fuse, block_fp8) as first:  # the optimizer's state made; counted too: a failure is named
+        step(first)
+    with StepCounter(low, fuse, block_fp8) as counter:
+        step(counter)
+    return counter.ops
+
+
+def summarize_ops(ops: list[Op]) -> dict:
+    """FLOPs and bytes of a step, total and by category, and the conv share of the FLOPs."""
+    flops = sum(op.flops for op in ops)
+    conv = sum(op.flops for op in ops if op.category == "conv")
+    by_cat = {c: {"flops": sum(o.flops for o in ops if o.category == c),
+                  "bytes": sum(o.bytes for o in ops if o.category == c)} for c in CATEGORIES}
+    return {"flops": flops, "bytes": sum(op.bytes for op in ops), "conv_flop_share": conv / flops if flops else 0.0,
+            "by_category": by_cat}
+
+
+def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[str, ...] | None = None) -> dict:
+    """Count one training step of params.yaml's model at ``batch`` (train.batch_size) for each precision, its
+    optimizer built by ``make_optimizer(params, cfg.train)`` (one that runs on meta tensors: foreach or for_loop):
+    ``{"ops": {precision: [Op]}, "summary": summarize_ops of fp32, "model": name, ...}``."""
+    import copy
+    import time
+
+    from ampbench import data, models, runplan
+    from ampbench.precision import names
+
+    precisions = precisions or names()
+    batch = batch or cfg.train.batch_size
+    desc = data.describe(cfg.data)
+    size = models.input_size(cfg.model, desc["image_size"])
+    model = models.build_meta(cfg.model, num_classes=desc["num_classes"], image_size=size)  # no weights
+    x = torch.empty(batch, 3, size, size, device="meta")
+    y = torch.empty(batch, dtype=torch.long, device="meta")
+    t0 = time.perf_counter()
+    ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: make_optimizer(params, cfg.train),
+                    runplan.recipe(cfg, p)) for p in precisions}
+    return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
+            "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}

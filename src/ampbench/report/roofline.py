@@ -1,0 +1,102 @@
+"""The report's roofline sections: what the datasheet allows each precision for this model beside what was
+measured, and ours beside the article's (its quoted figures, and its card's roofline)."""
+
+from __future__ import annotations
+
+from ampbench import precision
+from ampbench.report import fmt
+from ampbench.report.fmt import speedup as _speedup
+
+ARTICLE = {
+    "hardware": 'the article\'s "NVIDIA 5090 (24GB)", CUDA 12.1, ResNet-18, CIFAR-10, batch 256',
+    "rows": [
+        {"precision": "FP32", "memory": "18.7 GB", "imgs_per_s": "1,200", "epoch": "3m21s"},
+        {"precision": "FP16", "memory": "9.2 GB", "imgs_per_s": "3,800", "epoch": "1m02s"},
+    ],
+    "speedup": "3.2x", "memory_change": "-51%",
+}
+
+
+def article(summary: dict, env: dict, runs: dict) -> list[str]:
+    """Our ratios beside the article's 3.2x and -51%, and the article's own table."""
+    lines = ["## Ours beside the article's", "",
+             "| | speedup vs FP32 | peak memory vs FP32 |", "|---|---|---|",
+             f"| the article (its GPU, quoted) | {ARTICLE['speedup']} | {ARTICLE['memory_change']} |"]
+    for name, r in summary["variants"].items():
+        if name != summary["baseline"]:
+            lines.append(f"| {name}, this run | {_speedup(r)} | {fmt.change(r.get('mem_ratio'))} |")
+    lines += [""] + _article_roofline(summary.get("roofline"))
+    lines += [f"The article's own table ({ARTICLE['hardware']}; quoted, not measured here):", "",
+              "| precision | memory | img/s | time per epoch |", "|---|---|---|---|"]
+    lines += [f"| {r['precision']} | {r['memory']} | {r['imgs_per_s']} | {r['epoch']} |" for r in ARTICLE["rows"]]
+    return lines + ["", f"The article's claim: {ARTICLE['speedup']} faster, {ARTICLE['memory_change']} memory.", ""]
+
+
+def _article_roofline(found: dict | None) -> list[str]:
+    a = (found or {}).get("article")
+    if not a:
+        return []
+    r, claimed = a["fp16_vs_fp32"], float(ARTICLE["speedup"].rstrip("x"))
+    return [f"On the article's {a['gpu']}, the roofline of ResNet-18 at batch {a['batch']} (counted here, op by op, at "
+            f"that card's datasheet peaks) gives fp16 {fmt.times(r)} strict fp32: a GeForce card runs fp16 with fp32 "
+            "accumulation at twice its fp32 rate, and fp16 halves the bytes each op moves. The article's "
+            f"{ARTICLE['speedup']} is {claimed / r:.2f}x that bound, so its FP32 run reached {r / claimed:.0%} of the "
+            "share of its peak its FP16 run reached: its baseline was slow (eager overhead, the input pipeline, or a "
+            "setting that held fp32 back), which a precision cannot be credited with.", ""]
+
+
+def _census_lines(found: dict) -> list[str]:
+    """What each converting rung converts in this model (roofline.json keeps each census under its rung)."""
+    return [line for name in precision.converting(n for n in found if n in precision.RUNGS)
+            for line in precision.rung(name).census_lines(found[name])]
+
+
+def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
+    """What the datasheet allows each precision for this model, beside what was measured."""
+    found = summary.get("roofline")
+    if not found:
+        return []
+    lines = ["## What the datasheet allows: the roofline", ""]
+    if found.get("error"):
+        return lines + [f"Not counted: {found['error']}.", ""]
+    lines.append(
+        f"One training step of {found['model']} at batch {found['batch']} is {found['flops'] / 1e9:,.1f} GFLOP and "
+        f"moves {found['bytes'] / 1e9:,.2f} GB in fp32 (counted op by op on meta tensors). "
+        f"{found['conv_flop_share']:.0%} of its FLOPs are convolutions, so plain PyTorch (TF32 convolutions, IEEE "
+        f"matmuls) trains it closest to {'tf32' if found['closest_default'] == 'tf32' else 'strict fp32'}: that "
+        "column is what a user of plain PyTorch starts from.")
+    lines += _census_lines(found)
+    gpu = found.get("gpu")
+    if not gpu:
+        where = f"{env['gpu']['name']} is not in the datasheet table" if env.get("gpu") else "this ran on a CPU"
+        return lines + ["", f"There is no bound to set beside the measurements: {where}. `ampbench roofline --gpu "
+                        "all` gives each precision's bound on every GPU of the table.", ""]
+    by_precision: dict[str, list[str]] = {}
+    for name, m in found["measured"].items():
+        by_precision.setdefault(m["precision"], []).append(
+            f"{name}: {fmt.times(m['speedup'])} measured, {m['of_roofline']:.0%} of the bound's img/s")
+    lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", ""]
+    return lines + roofline_table(gpu["table"], by_precision) + ["", ROOFLINE_NOTE, ""]
+
+
+ROOFLINE_NOTE = (
+    "What a roofline is: one training step counted op by op (FLOPs and the bytes each op reads and writes; eager "
+    "kernels, no fusion, fp8's scaling as torch.compile fuses it), each op at max(FLOPs / the datasheet peak of the "
+    "dtype it runs in, bytes / memory bandwidth). Its ratio is what switching precision would buy if both precisions "
+    "ran every kernel at the datasheet's peaks. Real kernels run below peak, and unevenly: a measured speedup above "
+    "the roofline ratio means the slower precision ran further below its peak.")
+
+
+def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]] | None = None) -> list[str]:
+    """One GPU's roofline per precision (``roofline.table``), with what was measured beside it when given."""
+    extra = " measured |" if measured is not None else ""
+    lines = ["| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share |" + extra,
+             "|---|---|---|---|---|---|" + ("---|" if extra else "")]
+    for rung, r in table.items():
+        if r is None:
+            lines.append(f"| {rung} | no {rung} tensor cores | | | | |" + (" |" if extra else ""))
+            continue
+        cell = f" {'; '.join(measured.get(rung, [])) or 'not run'} |" if measured is not None else ""
+        lines.append(f"| {rung} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
+                     f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} |" + cell)
+    return lines

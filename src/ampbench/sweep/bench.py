@@ -1,0 +1,100 @@
+"""One precision's sweep point, as training runs it: the trainer's builder (``train.setup.build``), the engine's
+own step on a batch drawn from the prepared set, timed on the trainer's clock."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from ampbench import models, runplan
+from ampbench.config import Config
+from ampbench.data import DeviceBatches
+from ampbench.errors import analysis
+from ampbench.measure import clock, flops, memory, stats
+from ampbench.train import probes, setup, step
+
+POOL = 2048  # images decoded once from a streamed folder, from which every point draws its batch
+WARMUP = 2  # untimed steps before each point's timed ones (allocation, cuDNN autotuning)
+
+
+class Bench:
+    """One precision's setup on one device (the trainer's builder: ``train.setup.build``), and its batches."""
+
+    def __init__(self, cfg: Config, data: dict, device: torch.device, precision: str):
+        self.cfg, self.data, self.device, self.precision = cfg, data, device, precision
+        s = setup.build(runplan.for_precision(cfg, precision, device.type), data["meta"], device)
+        self.input_size = s.input_size
+        self.model = s.model
+        self.step_model = s.step_model
+        self.opt = s.opt
+        self.policy = s.policy
+        self.scaler = s.scaler
+        x, y = self.data["train"]
+        if not isinstance(x, torch.Tensor):  # a streamed folder's files: a pool decoded once, the points drawn from it
+            keep = torch.randperm(len(y), generator=torch.Generator().manual_seed(cfg.seed))[:POOL].sort().values
+            x, y = x[keep], y[keep]
+        self.pool = x, y
+        x, y = next(self.batches(8).epoch(0))
+        # per image: the same at any batch; None (no TFLOP/s) when the counter cannot follow the model
+        self.flops_per_image = analysis("flops", models.name(cfg.model), lambda: flops.train_flops_per_image(
+            setup.flops_model(s, data["meta"], device), x, y))[0]
+
+    def batches(self, batch: int) -> DeviceBatches:
+        """``batch`` images drawn from the training set (with replacement when it holds fewer)."""
+        x, y = self.pool  # wherever the set is (the sweep stage leaves it memory-mapped on the host)
+        g = torch.Generator(device=x.device).manual_seed(self.cfg.seed + batch)
+        idx = torch.randint(0, len(y), (batch,), device=x.device, generator=g)
+        meta = self.data["meta"]
+        x, y = x[idx].to(self.device), y[idx].to(self.device)  # only the images a point trains on go to the device
+        return DeviceBatches(x, y, batch, meta["mean"], meta["std"], augment=self.cfg.train.augment,
+                             shuffle=True, channels_last=self.cfg.model.channels_last, seed=self.cfg.seed,
+                             out_size=self.input_size)
+
+    def run(self, batch: int, steps: int, feed: DeviceBatches | None = None) -> clock.StepClock:
+        """``WARMUP`` untimed then ``steps`` timed optimizer steps at ``batch``, on the trainer's clock."""
+        feed = feed or self.batches(batch)
+        timer = clock.StepClock(self.device, WARMUP)
+        timer.begin()
+        for i in range(WARMUP + steps):
+            with timer.data():
+                x, y = next(feed.epoch(i))
+            with timer.compute():
+                step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch,
+                                clip=self.cfg.train.clip_grad_norm)
+            timer.step_done(len(y))
+        timer.end()
+        return timer
+
+    def try_step(self, batch: int) -> None:
+        """One optimizer step at ``batch``, waited for, so that an error of its kernels surfaces here."""
+        x, y = next(self.batches(batch).epoch(0))
+        step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch,
+                        clip=self.cfg.train.clip_grad_norm)
+        clock.synchronize(self.device)
+
+    def free(self) -> None:
+        """Drop gradients and cached blocks, e.g. after an out-of-memory attempt."""
+        self.opt.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def point(self, batch: int, steps: int) -> dict:
+        memory.reset_peak_memory(self.device)
+        feed = self.batches(batch)
+        timed = self.run(batch, steps, feed)
+        x, _ = next(feed.epoch(0))
+        ips = timed.imgs_per_s()
+        out = {"precision": self.precision, "batch_size": batch, "imgs_per_s": ips,
+               "imgs_per_s_p10_p90": stats.rate_spread(timed.step_rates()),
+               "step_time_ms": stats.summarize_ms(timed.cycle_ms),
+               **memory.peak_memory(self.device),
+               "activation_bytes": probes.activation_bytes(self.model, x, self.policy),
+               "achieved_tflops": self.flops_per_image * ips / 1e12 if ips and self.flops_per_image else None}
+        self.free()
+        return out
+
+    def fixed_bytes(self) -> int:
+        params = list(self.model.parameters())
+        return 2 * memory.tensor_bytes(params) + memory.optimizer_state_bytes(self.opt)
