@@ -24,6 +24,7 @@ try:
     import torch
 
     from ampbench import config, data, env, runplan, sweep
+    from ampbench.data import stream
     from ampbench.measure import memory
     from ampbench.train import engine, runner
 except ImportError as err:  # run from the repository root with PYTHONPATH=src, beside torch and torchvision
@@ -148,8 +149,8 @@ def check_stream(prepared: dict) -> dict:
     meta = host["meta"]
 
     def feed(device: str, workers: int):
-        return data.StreamBatches(*host["train"], 256, meta["mean"], meta["std"], augment=True, shuffle=True,
-                                  channels_last=True, device=device, workers=workers, seed=0)
+        return stream.StreamBatches(*host["train"], 256, meta["mean"], meta["std"], augment=True, shuffle=True,
+                                    channels_last=True, device=device, workers=workers, seed=0)
     cuda, cpu = feed("cuda", 4), feed("cpu", 0)
     cuda.sampler.keys = cuda.keys(0)[:1]
     pinned = next(iter(cuda.loader))[0].is_pinned()  # what the loader hands over, before the copy

@@ -38,6 +38,7 @@ from torch.utils.data import DataLoader
 
 from ampbench import config, data, env, models
 from ampbench.config import DataConfig, ModelConfig, ProfileConfig, TrainConfig
+from ampbench.data import stream
 from ampbench.measure.clock import synchronize
 from ampbench.precision import amp_settings, names
 from ampbench.runplan import RunPlan
@@ -84,7 +85,7 @@ def torchvision_loop(args, root: Path, listed: Path, meta: dict) -> dict:
     folder.samples = folder.imgs = [s for s in folder.samples if Path(s[0]).resolve() in train]  # not the test set
     loader = DataLoader(folder, batch_size=args.batch, shuffle=True, drop_last=True, num_workers=args.workers,
                         pin_memory=args.device == "cuda", persistent_workers=args.workers > 0,
-                        prefetch_factor=data.stream.PREFETCH if args.workers else None)
+                        prefetch_factor=stream.PREFETCH if args.workers else None)
     if len(loader) <= args.warmup:
         raise SystemExit(f"error: {len(folder.samples)} training images make {len(loader)} batches of {args.batch}, "
                          f"not more than the {args.warmup} warm-up steps; give more --images or a smaller --batch")

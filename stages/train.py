@@ -105,8 +105,7 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
                  "num_classes": prepared_meta["num_classes"],
                  "image_size": models.input_size(plan.model, prepared_meta["image_shape"][-1]),
                  "precision": plan.precision}
-    results.write_run(out, result.metrics, result.history, result.scale_history, result.step_times_ms,
-                      result.numerics, result.system, result.profile_trace, result.grad_norms, model)
+    results.write_run(out, result.metrics, result.tables(), result.step_times_ms, result.profile_trace, model)
     tracking_cfg = config.load(params).mlflow if Path(params).is_file() else config.MlflowConfig()
     if tracking_cfg.enabled:
         from ampbench import tracking

@@ -57,8 +57,7 @@ def test_a_failed_analysis_of_a_training_run_is_said_and_training_goes_on(tiny_p
     assert (result.numerics == []) == (name == "audit") and (m["profile"].get("error") is not None) == (
         name == "profile")
     assert "could not be made for small_cnn (amp_accum) (RuntimeError: failed on purpose" in capsys.readouterr().out
-    results.write_run(tmp_path / "runs" / "amp_accum", m, result.history, result.scale_history,
-                      result.step_times_ms, result.numerics)
+    results.write_run(tmp_path / "runs" / "amp_accum", m, result.tables(), result.step_times_ms)
     s = report.build(tmp_path / "runs", {"gpu": None, "torch": "2"}, tmp_path / "r.md", tmp_path / "s.json",
                      tmp_path / "fig", ["amp_accum"])
     md = (tmp_path / "r.md").read_text()

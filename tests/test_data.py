@@ -16,6 +16,7 @@ from PIL import Image
 
 from ampbench import config, data
 from ampbench.config import DataConfig
+from ampbench.data import batches as feeds
 from ampbench.errors import DataError, EnvironmentMismatch
 from tests.conftest import make_cifar_archive
 
@@ -160,7 +161,7 @@ def test_damaged_prepared_set_is_refused(tmp_path):
 
 def _raw_batches(images, pad, augment=True, seed=0):
     """DeviceBatches whose normalisation is the identity (mean 0, std 1/255): outputs are the raw pixels."""
-    return data.DeviceBatches(images, torch.zeros(len(images), dtype=torch.int64), len(images), [0.0] * 3,
+    return feeds.DeviceBatches(images, torch.zeros(len(images), dtype=torch.int64), len(images), [0.0] * 3,
                               [1 / 255] * 3, augment=augment, shuffle=False, channels_last=True, seed=seed, pad=pad)
 
 
@@ -189,7 +190,7 @@ def test_crop_moves_whole_pixels_and_eval_is_exact():
 
 def test_device_batches_cover_the_set_and_replay_per_epoch():
     x, y = data.synthetic(70, 0, 1)
-    b = data.DeviceBatches(x, y, 32, [0.5] * 3, [0.25] * 3, augment=True, shuffle=True, channels_last=True, seed=3)
+    b = feeds.DeviceBatches(x, y, 32, [0.5] * 3, [0.25] * 3, augment=True, shuffle=True, channels_last=True, seed=3)
     assert len(b) == 3
     batches = list(b.epoch(0))
     assert [len(yy) for _, yy in batches] == [32, 32, 6]
@@ -289,7 +290,7 @@ def test_a_data_set_too_large_for_the_device_stops_before_training():
 
 def test_device_batches_resize_for_a_larger_model_input():
     x, y = data.synthetic(8, 0, 1)
-    b = data.DeviceBatches(x, y, 8, [0.5] * 3, [0.25] * 3, augment=True, shuffle=True, channels_last=True,
+    b = feeds.DeviceBatches(x, y, 8, [0.5] * 3, [0.25] * 3, augment=True, shuffle=True, channels_last=True,
                            out_size=64)
     out, _ = next(b.epoch(0))
     assert out.shape == (8, 3, 64, 64) and out.is_contiguous(memory_format=torch.channels_last)

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ampbench import config, data, models, runplan
-from ampbench.data import DeviceBatches
+from ampbench.data.batches import DeviceBatches
 from ampbench.train import distributed, step
 from ampbench.train.engine import Trainer
 from ampbench.train.policy import PrecisionPolicy

@@ -54,3 +54,11 @@ def test_the_report_stage_starts_without_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False"], modules
+
+
+def test_the_data_stage_depends_on_what_makes_the_set_not_on_how_training_reads_it():
+    """Editing the device feed or the streaming workers does not prepare the set again."""
+    feeds = {"src/ampbench/data/batches.py", "src/ampbench/data/stream.py"}
+    assert not feeds & reached(REPO_ROOT / "stages" / "data.py")
+    deps = STAGES["data"]["deps"]
+    assert not [d for d in deps if any(f == d or f.startswith(d.rstrip("/") + "/") for f in feeds)], deps

@@ -18,6 +18,7 @@ from PIL import Image
 
 from ampbench import config, data, env
 from ampbench.config import DataConfig
+from ampbench.data import stream
 from ampbench.errors import DataError, EnvironmentMismatch
 from ampbench.sandbox import REPO_ROOT
 
@@ -114,7 +115,7 @@ def test_a_streaming_worker_meeting_a_broken_image_stops_the_run_naming_it_witho
     images, labels = listed["train"]
     victim = root / images.paths[5]
     victim.write_bytes(b"overwritten")  # changed on disk after the data stage read it
-    feed = data.StreamBatches(images, labels, 4, meta["mean"], meta["std"], augment=True, shuffle=False,
+    feed = stream.StreamBatches(images, labels, 4, meta["mean"], meta["std"], augment=True, shuffle=False,
                               channels_last=True, device="cpu", workers=2)
     with pytest.raises(DataError) as err:
         list(feed.epoch(0))

@@ -210,8 +210,7 @@ def test_clipping_and_the_norms_reach_the_run_files(tiny_params, tiny_data, tmp_
     assert [r["step"] for r in result.grad_norms] == [1, 2, 3, 4]
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in result.grad_norms)
     assert result.metrics["clip_grad_norm"] == 0.5 and result.metrics["grad_norm_logged"] is True
-    results.write_run(tmp_path, result.metrics, result.history, result.scale_history, result.step_times_ms,
-                      grad_norms=result.grad_norms)
+    results.write_run(tmp_path, result.metrics, result.tables(), result.step_times_ms)
     run = results.read_run(tmp_path)
     stats = safety.grad_norm_stats(run)
     assert stats["steps"] == 4 and stats["clip"] == 0.5

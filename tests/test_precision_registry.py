@@ -115,8 +115,8 @@ def test_a_toy_family_is_one_module_and_one_line(toy, tmp_path):
                    "imgs_per_s_p10_p90": [256 / (step_ms * 1.1) * 1000, 256 / (step_ms * 0.9) * 1000],
                    "peak_mem_bytes": 1000, "activation_bytes": 400, "final_acc": 0.9, "best_acc": 0.9,
                    "skipped_steps": 0, "arch": "toy_mlp", "fp8_recipe": "fancy" if prec == "toy" else None}
-        results.write_run(runs / name, metrics, [{"epoch": 1, "train_loss": 1.0, "eval_loss": 1.0, "eval_acc": 0.9,
-                                                  "epoch_time_s": 10.0}], [], [step_ms] * 5)
+        results.write_run(runs / name, metrics, {"history": [{"epoch": 1, "train_loss": 1.0, "eval_loss": 1.0,
+                                                              "eval_acc": 0.9, "epoch_time_s": 10.0}]}, [step_ms] * 5)
     found = {"model": "toy_mlp", "batch": 4, "input_size": 8, "flops": 1e6, "bytes": 1e6, "conv_flop_share": 0.0,
              "closest_default": "fp32", "gpu": None, "toy": census}
     env = {"torch": "2.x", "cuda_runtime": None, "cudnn": None, "python": "3.11", "cpu_model": "Test CPU",

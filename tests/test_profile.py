@@ -134,7 +134,7 @@ def _write(runs, name, precision, step_ms, prof, accs):
                "peak_tflops_datasheet": {"fp32": 67.0, "fp16": 989.4}[precision]}
     history = [{"epoch": i + 1, "train_loss": 1.0, "eval_loss": 1.0, "eval_acc": a, "epoch_time_s": step_ms / 10}
                for i, a in enumerate(accs)]
-    results.write_run(runs / name, metrics, history, [], [step_ms * (1 + 0.01 * i) for i in range(20)])
+    results.write_run(runs / name, metrics, {"history": history}, [step_ms * (1 + 0.01 * i) for i in range(20)])
 
 
 def test_report_explains_from_the_profile(tmp_path):

@@ -20,7 +20,7 @@ def _write(runs, name, precision, accum, step_ms, mem, act, acc):
                "peak_mem_bytes": mem, "activation_bytes": act, "final_acc": acc, "best_acc": acc,
                "skipped_steps": 0, "tf32": {"matmul_fp32_precision": "ieee"}, "arch": "resnet18"}
     history = [{"epoch": 1, "train_loss": 1.0, "eval_loss": 1.0, "eval_acc": acc, "epoch_time_s": 10.0}]
-    results.write_run(runs / name, metrics, history, [], [step_ms] * 5)
+    results.write_run(runs / name, metrics, {"history": history}, [step_ms] * 5)
 
 
 @pytest.fixture
@@ -141,8 +141,9 @@ def _every_section_fixture(runs):
               "grad_scaled_underflow": 0.0, "grad_subnormal": 0.2, "grad_scaled_overflow": 0.0, "act_overflow": 0.0}]
     run = results.read_run(runs / "amp")
     run["metrics"]["final_loss_scale"] = 8192.0
-    results.write_run(runs / "amp", run["metrics"], run["history"], [{"step": 0, "scale": 8192.0, "skipped": False}],
-                      run["step_times_ms"], numerics=audit)
+    results.write_run(runs / "amp", run["metrics"], {"history": run["history"], "numerics": audit,
+                                                     "scale": [{"step": 0, "scale": 8192.0, "skipped": False}]},
+                      run["step_times_ms"])
     _write(runs, "fp32_ddp", "fp32", 1, 200.0, 1000, 400, 0.90)
     m = json.loads((runs / "fp32_ddp" / "metrics.json").read_text())
     m.update(world_size=2, backend="gloo", grad_comm="none")  # 1,280 img/s against fp32's 853
@@ -198,3 +199,26 @@ def test_the_report_imports_no_training_code():
             "'ampbench.measure.memory', 'ampbench.models', 'ampbench.data', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_new_run_table_is_one_registry_line_its_rows_and_a_section(runs, tmp_path, monkeypatch):
+    """The change-walk of a report section over a new per-run file: a line in ``results.TABLES``, the rows in a
+    run result (``RunResult.extra``), and a section function in ``SECTIONS``; nothing else is touched."""
+    from ampbench.report import sections
+    from ampbench.train.metrics import RunResult
+    monkeypatch.setitem(results.TABLES, "lr_probe", results.Table("lr_probe.csv", ("step", "lr")))
+    result = RunResult(metrics=results.read_run(runs / "amp")["metrics"], history=[{"epoch": 1}],
+                       extra={"lr_probe": [{"step": 1, "lr": 0.1}, {"step": 2, "lr": 0.05}]})
+    results.write_run(runs / "amp", result.metrics, result.tables(), [100.0] * 5)
+    assert (runs / "amp" / "lr_probe.csv").read_text() == "step,lr\n1,0.1\n2,0.05\n"
+    assert (runs / "fp32" / "lr_probe.csv").exists() is False  # written before the table existed: read as []
+
+    def lr_probe(summary, env, runs_read):
+        rows = runs_read["amp"]["lr_probe"]
+        return ["## LR probe", "", f"amp: {len(rows)} steps, last lr {rows[-1]['lr']}", ""]
+    monkeypatch.setattr(sections, "SECTIONS", (*sections.SECTIONS, lr_probe))
+    report.build(runs, ENV, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "amp"])
+    assert "## LR probe\n\namp: 2 steps, last lr 0.05" in (tmp_path / "r.md").read_text()
+    assert results.read_run(runs / "fp32")["lr_probe"] == []
+    with pytest.raises(ValueError, match=r"no run table is called \['lr_probes'\]; add it to results.TABLES"):
+        results.write_run(tmp_path / "x", {}, {"lr_probes": []})

@@ -13,7 +13,7 @@ import torch
 
 from ampbench import config, data, env, runplan
 from ampbench.config import optim
-from ampbench.data import stream
+from ampbench.data import batches, stream
 from ampbench.errors import EnvironmentMismatch
 
 MEAN, STD = [0.0] * 3, [1 / 255] * 3  # the identity normalisation: outputs are the raw pixels
@@ -27,7 +27,7 @@ def _set(n=70, side=8, seed=0):
 
 def _stream(x, y, batch=16, workers=0, **kw):
     kw = {"augment": True, "shuffle": True, "channels_last": True, "seed": 3, "pad": 2, **kw}
-    return data.StreamBatches(x, y, batch, MEAN, STD, device="cpu", workers=workers, **kw)
+    return stream.StreamBatches(x, y, batch, MEAN, STD, device="cpu", workers=workers, **kw)
 
 
 def test_batches_cover_the_set_and_are_the_same_with_any_number_of_workers():
@@ -69,7 +69,7 @@ def test_a_resumed_epoch_starts_at_its_batch_and_ranks_stream_their_slices():
 
 def test_device_batches_resume_at_their_batch_too():
     x, y = _set()
-    b = data.DeviceBatches(x, y, 16, MEAN, STD, augment=True, shuffle=True, channels_last=True, seed=3, pad=2)
+    b = batches.DeviceBatches(x, y, 16, MEAN, STD, augment=True, shuffle=True, channels_last=True, seed=3, pad=2)
     whole = list(b.epoch(0))
     resumed = list(b.epoch(0, start=3))
     assert all(torch.equal(a[0], c[0]) for a, c in zip(whole[3:], resumed, strict=True)) and len(resumed) == 2
@@ -154,7 +154,7 @@ def test_the_verdict_calls_a_streamed_variant_input_bound(tmp_path):
                    "imgs_per_s": 256 / ms * 1000, "step_time_ms": {"median": ms, "p10": ms, "p90": ms, "n": 5},
                    "final_acc": 0.9, "skipped_steps": 0, "arch": "resnet18", "data_time_fraction": share,
                    "data_placement": "stream", "data_workers": 2}
-        results.write_run(tmp_path / "runs" / name, metrics, [], [], [ms] * 5)
+        results.write_run(tmp_path / "runs" / name, metrics, {}, [ms] * 5)
     report.build(tmp_path / "runs", env_, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "amp"])
     verdict = (tmp_path / "r.md").read_text().splitlines()[2]
     assert "Input-bound: the CPU waited 38% of each amp step for data: a faster precision cannot speed that " \

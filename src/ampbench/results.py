@@ -25,7 +25,10 @@ import os
 import re
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+from ampbench.measure.sysmon import COLUMNS as SYSTEM_COLUMNS
 
 PACKAGE = Path(__file__).resolve().parent  # src/ampbench
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
@@ -74,9 +77,32 @@ def _clean(obj):
     return obj
 
 
-def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: list[dict],
-              step_times_ms: list[float], numerics: list[dict] = (), system: list[dict] = (),
-              trace: str = "", grad_norms: list[dict] = (), model: dict | None = None) -> None:
+@dataclass(frozen=True)
+class Table:
+    """One CSV file of a run folder."""
+    file: str
+    columns: tuple[str, ...] = ()  # its columns; () = its rows' own (the first row's keys)
+    empty: tuple[str, ...] = ()    # the header it gets with no rows, when its rows give its columns
+
+
+# A run folder's tables, by the key ``read_run`` gives each (and a run result's ``tables()``). A new per-run table
+# is one line here, its rows from what makes them, and a report section that reads ``run[key]``.
+TABLES = {
+    "history": Table(HISTORY, empty=("epoch",)),                # one row per epoch
+    "scale": Table(SCALE, ("step", "scale", "skipped")),        # every loss-scale change
+    "grad_norm": Table(GRAD_NORM, ("step", "grad_norm")),       # the gradient norm before clipping, per step
+    "numerics": Table(NUMERICS, empty=("layer",)),             # the fp16 numerics audit, one row per layer
+    "system": Table(SYSTEM, tuple(SYSTEM_COLUMNS)),             # CPU, memory and GPU samples while training
+}
+
+
+def write_run(out_dir: Path, metrics: dict, tables: dict[str, list[dict]], step_times_ms: list[float] = (),
+              trace: str = "", model: dict | None = None) -> None:
+    """A run folder: every table of ``TABLES`` (``tables`` by key; one left out is written empty), the step times,
+    the profile's trace, the weights, and metrics.json last (its presence means the run is complete)."""
+    unknown = set(tables) - set(TABLES)
+    if unknown:
+        raise ValueError(f"no run table is called {sorted(unknown)}; add it to results.TABLES")
     out_dir = Path(out_dir)
     if model is not None:
         import torch
@@ -86,33 +112,23 @@ def write_run(out_dir: Path, metrics: dict, history: list[dict], scale_history: 
         torch.save(model, tmp)
         os.replace(tmp, out_dir / MODEL)
     atomic_write(out_dir / TRACE, trace or '{"traceEvents": []}\n')  # an empty trace when profiling is off
-    from ampbench.measure.sysmon import COLUMNS
-    atomic_write(out_dir / SYSTEM, csv_text(list(system), COLUMNS))
-    hist_cols = list(history[0]) if history else ["epoch"]
-    num_cols = list(numerics[0]) if numerics else ["layer"]
-    atomic_write(out_dir / NUMERICS, csv_text(list(numerics), num_cols))
-    atomic_write(out_dir / HISTORY, csv_text(history, hist_cols))
-    atomic_write(out_dir / SCALE, csv_text(scale_history, ["step", "scale", "skipped"]))
-    atomic_write(out_dir / GRAD_NORM, csv_text(list(grad_norms), ["step", "grad_norm"]))
+    for key, table in TABLES.items():
+        rows = list(tables.get(key) or ())
+        columns = table.columns or (tuple(rows[0]) if rows else table.empty)
+        atomic_write(out_dir / table.file, csv_text(rows, list(columns)))
     write_json(out_dir / STEP_TIMES, [round(t, 4) for t in step_times_ms])
     write_json(out_dir / METRICS, _clean(metrics))  # last: its presence means the run is complete
 
 
 def read_run(run_dir: Path) -> dict:
-    """One run's metrics, history rows, loss-scale changes and step times."""
+    """One run: its metrics, each table of ``TABLES`` under its key (rows as dicts of strings; [] where the
+    file is absent) and its step times."""
     run_dir = Path(run_dir)
-    out = {"metrics": json.loads((run_dir / METRICS).read_text()), "history": [], "scale": [], "step_times_ms": [],
-           "numerics": []}
-    if (run_dir / HISTORY).is_file():
-        with open(run_dir / HISTORY) as f:
-            out["history"] = list(csv.DictReader(f))
-    if (run_dir / SCALE).is_file():
-        with open(run_dir / SCALE) as f:
-            out["scale"] = list(csv.DictReader(f))
-    for key, name in (("numerics", NUMERICS), ("system", SYSTEM), ("grad_norm", GRAD_NORM)):
+    out = {"metrics": json.loads((run_dir / METRICS).read_text()), "step_times_ms": []}
+    for key, table in TABLES.items():
         out[key] = []
-        if (run_dir / name).is_file():
-            with open(run_dir / name) as f:
+        if (run_dir / table.file).is_file():
+            with open(run_dir / table.file) as f:
                 out[key] = list(csv.DictReader(f))
     if (run_dir / STEP_TIMES).is_file():
         out["step_times_ms"] = json.loads((run_dir / STEP_TIMES).read_text())

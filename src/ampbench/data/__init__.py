@@ -9,7 +9,8 @@ reads a half-written set. A folder that streams (``form="files"``) is not writte
 is ``files.json``, the images that read with their labels, and ``meta.json``. ``DeviceBatches`` keeps the whole
 set on the training device and augments there (random crop with padding, flip); ``StreamBatches``
 (``data.placement: stream``) leaves it memory-mapped in host memory, or a folder's files on disk, and streams
-each batch to the device through DataLoader workers.
+each batch to the device through DataLoader workers. The feeds live in ``data.batches`` and ``data.stream``,
+which preparing the set does not import (the data stage depends on what makes the set, not on how it is read).
 """
 
 from __future__ import annotations
@@ -25,15 +26,13 @@ import torch
 from ampbench.config import DataConfig
 from ampbench.data import cifar, folder
 from ampbench.data import synthetic as synthetic_source
-from ampbench.data.batches import Batches, DeviceBatches
 from ampbench.data.cifar import ARCHIVE_NAME
-from ampbench.data.stream import StreamBatches
 from ampbench.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from ampbench.data.synthetic import splits as synthetic_splits
 from ampbench.data.synthetic import synthetic
 from ampbench.errors import DataError
 
-__all__ = ["ARCHIVE_NAME", "FILE_LIST", "Batches", "DeviceBatches", "StreamBatches", "describe", "load_prepared",
+__all__ = ["ARCHIVE_NAME", "FILE_LIST", "describe", "load_prepared",
            "prepare", "record", "resident_bytes", "synthetic", "synthetic_in_memory", "synthetic_splits"]
 
 FORMS = ("tensors", "files")  # a prepared set: decoded uint8 tensors, or a folder's list of files (streamed)

@@ -9,7 +9,7 @@ import torch
 
 from ampbench import models, runplan
 from ampbench.config import Config
-from ampbench.data import DeviceBatches
+from ampbench.data.batches import DeviceBatches
 from ampbench.errors import analysis
 from ampbench.measure import clock, flops, memory, stats
 from ampbench.train import probes, setup, step

@@ -256,9 +256,8 @@ def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, e
     charts itself) and its files. The figures are the report's, logged with the report run."""
     run = results.read_run(run_dir)
     m = run["metrics"]
-    files = [run_dir / name for name in (results.METRICS, results.HISTORY, results.SCALE, results.GRAD_NORM,
-                                         results.NUMERICS,
-                                         results.SYSTEM, results.TRACE)]
+    files = [run_dir / name for name in (results.METRICS, *(t.file for t in results.TABLES.values()),
+                                         results.TRACE)]
     tags = _tags("train", m["variant"], m, env_info, pipeline, m.get("command"))
     tags["ampbench.status"] = m.get("status", "complete")
     if m.get("diagnosis"):  # a run stopped by inf/NaN: the first bad layer and gradient, searchable

@@ -22,7 +22,8 @@ from tqdm import tqdm
 
 from ampbench import models
 from ampbench.config import micro_batch
-from ampbench.data import Batches, DeviceBatches, StreamBatches
+from ampbench.data.batches import Batches, DeviceBatches
+from ampbench.data.stream import StreamBatches
 from ampbench.errors import NonFiniteTraining, analysis
 from ampbench.measure import clock, flops, memory
 from ampbench.precision import tf32_flags

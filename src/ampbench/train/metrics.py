@@ -27,6 +27,12 @@ class RunResult:
     system: list[dict] = field(default_factory=list)    # CPU/memory/GPU samples taken while training
     profile_trace: str = ""                             # torch.profiler's Chrome trace of the profiled steps
     weights: dict | None = None  # the trained model's state dict (on the CPU), taken before the audit and profile
+    extra: dict[str, list[dict]] = field(default_factory=dict)  # further tables of results.TABLES, by key
+
+    def tables(self) -> dict[str, list[dict]]:
+        """The run folder's tables, by ``results.TABLES`` key."""
+        return {"history": self.history, "scale": self.scale_history, "grad_norm": self.grad_norms,
+                "numerics": self.numerics, "system": self.system, **self.extra}
 
 
 def run_result(t) -> RunResult:
