@@ -22,7 +22,7 @@ import torch
 from ampbench import data, env
 from ampbench.config import AmpConfig, ModelConfig, TrainConfig
 from ampbench.measure import stats
-from ampbench.precision import amp_settings, spec, unsupported
+from ampbench.precision import amp_settings, rung, unsupported
 from ampbench.runplan import RunPlan
 from ampbench.train import runner
 
@@ -40,7 +40,7 @@ def plan_for(name, precision, accum, args, epochs=1, repeats=None) -> RunPlan:
     return RunPlan(variant=name, precision=precision, accum_steps=accum, device=args.device, seed=0,
                    model=ModelConfig(arch=args.arch, channels_last=True),
                    train=TrainConfig(epochs=epochs, batch_size=args.batch, warmup_steps=args.warmup,
-                                     allow_tf32=spec(precision).tf32, repeats=repeats),
+                                     allow_tf32=rung(precision).tf32, repeats=repeats),
                    amp=amp_settings(precision, AmpConfig()))
 
 

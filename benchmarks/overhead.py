@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from ampbench import config, data, models
 from ampbench.config import ModelConfig, ProfileConfig, TrainConfig
 from ampbench.measure.clock import synchronize
-from ampbench.precision import amp_settings, names, spec
+from ampbench.precision import amp_settings, names, rung
 from ampbench.runplan import RunPlan
 from ampbench.train import runner
 from ampbench.train.policy import dtype
@@ -45,7 +45,7 @@ def recipe_loop(batches, arch: str, channels_last: bool, precision: str, device:
     model = models.build(ModelConfig(arch=arch, channels_last=channels_last), num_classes=10, image_size=32,
                          device=device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
-    scaler = torch.amp.GradScaler(device, enabled=spec(precision).grad_scaler)
+    scaler = torch.amp.GradScaler(device, enabled=rung(precision).grad_scaler)
     seen, start = 0, None
     for step, (x, y) in enumerate(batches):  # the batches' own work (loading, indexing) is timed too
         if step == warmup:
@@ -53,7 +53,7 @@ def recipe_loop(batches, arch: str, channels_last: bool, precision: str, device:
             start = time.perf_counter()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)  # a no-op when already there
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device, dtype=dtype(precision), enabled=spec(precision).autocast is not None):
+        with torch.autocast(device, dtype=dtype(precision), enabled=rung(precision).autocast is not None):
             loss = F.cross_entropy(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(optimizer)

@@ -164,7 +164,7 @@ def test_a_roofline_that_cannot_count_the_model_leaves_env_check_whole(tmp_path,
     import yaml
 
     from ampbench.sandbox import REPO_ROOT, env_with_venv
-    tiny_params["variants"]["fp8"] = {"precision": "fp8", "accum_steps": 1, "fp8_recipe": "tensorwise"}
+    tiny_params["variants"]["fp8"] = {"precision": "fp8", "accum_steps": 1, "recipe": "tensorwise"}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params))
     env = {**env_with_venv(), FAIL: "roofline,fp8_census"}
     r = tmp_path / "reports"

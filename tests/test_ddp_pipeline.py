@@ -27,7 +27,7 @@ def _ddp_params(variants: dict) -> dict:
     from ampbench import sandbox
     params = sandbox.merge(copy.deepcopy(yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())), {
         "device": "cpu", "data": {"source": "synthetic", "train_size": 1024, "test_size": 64},
-        "model": {"arch": "small_cnn"}, "train": {"epochs": 2, "batch_size": 32, "warmup_steps": 2},
+        "model": {"arch": "small_cnn"}, "train": {"epochs": 3, "batch_size": 32, "warmup_steps": 2},
         "sweep": {"enabled": False}, "profile": {"steps": 1}, "amp": {"audit_batches": 1},
         "distributed": {"nproc_per_node": WORLD}})
     params["variants"] = variants
@@ -77,7 +77,7 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     metrics = {v: json.loads((repo / "reports" / "runs" / v / "metrics.json").read_text()) for v in DDP_VARIANTS}
     assert [metrics[v]["world_size"] for v in DDP_VARIANTS] == [2, 1, 2]
     assert metrics["amp_accum"]["grad_comm"] == "fp16" and metrics["amp_accum"]["micro_batch_size"] == 8
-    assert metrics["fp32"]["backend"] == "gloo" and metrics["fp32"]["optimizer_steps"] == 2 * 1024 // 32
+    assert metrics["fp32"]["backend"] == "gloo" and metrics["fp32"]["optimizer_steps"] == 3 * 1024 // 32
     assert metrics["fp32"]["profile"]["communication"]["step_ms"] > 0
     for v in DDP_VARIANTS:  # one writer: one set of run files, one line saying so
         assert sorted(p.name for p in (repo / "reports" / "runs" / v).iterdir()) == sorted(

@@ -256,7 +256,7 @@ def _fp8_worker(rank: int, port: int, folder: str) -> None:
     world = _join(rank, port)
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "vit_tiny", "input_size": 16},
                             "mlflow": {"enabled": False}, "train": {"epochs": 1, "batch_size": 16, "warmup_steps": 0},
-                            "variants": {"fp8": {"precision": "fp8", "fp8_recipe": "rowwise"}},
+                            "variants": {"fp8": {"precision": "fp8", "recipe": "rowwise"}},
                             "distributed": {"nproc_per_node": WORLD}})
     trainer = Trainer(runplan.make_plan(cfg, "fp8", "cpu"), data.load_prepared(Path(folder) / "prepared", "cpu"),
                       progress=False, world=world)

@@ -12,7 +12,7 @@ import yaml
 from torch import nn
 
 from ampbench import config, models, precision, runplan
-from ampbench.errors import EnvironmentMismatch
+from ampbench.errors import ConfigError, EnvironmentMismatch
 from ampbench.sandbox import REPO_ROOT
 from ampbench.train import setup
 from ampbench.train.policy import PrecisionPolicy
@@ -53,15 +53,30 @@ def test_fp8_counts_the_layers_a_forward_calls_not_the_modules_it_converts():
 
 def test_the_fp8_plan_carries_its_recipe_and_the_others_do_not_change(tmp_path):
     cfg = config.from_dict({"variants": {"fp32": {"precision": "fp32"},
-                                         "fp8": {"precision": "fp8", "fp8_recipe": "rowwise"}}})
+                                         "fp8": {"precision": "fp8", "recipe": "rowwise"}}})
     fp8, fp32 = runplan.make_plan(cfg, "fp8", "cpu"), runplan.make_plan(cfg, "fp32", "cpu")
-    assert fp8.fp8_recipe == "rowwise" and fp32.fp8_recipe is None
+    assert fp8.recipe == "rowwise" and fp32.recipe is None
     runplan.write_plan(fp32, tmp_path / "fp32.json")
     runplan.write_plan(fp8, tmp_path / "fp8.json")
-    assert "fp8_recipe" not in (tmp_path / "fp32.json").read_text()  # a plan file as before fp8 existed
+    assert "recipe" not in (tmp_path / "fp32.json").read_text()  # a plan file as before fp8 existed
     assert runplan.read_plan(tmp_path / "fp8.json") == fp8 and runplan.read_plan(tmp_path / "fp32.json") == fp32
     s = setup.build(fp8, {"num_classes": 10, "image_shape": [3, 32, 32]}, torch.device("cpu"))
-    assert s.policy.fp8_recipe == "rowwise"
+    assert s.policy.recipe == "rowwise"
+
+
+def test_an_older_params_yaml_with_fp8_recipe_loads_with_one_line_saying_to_rename_it(tmp_path, capsys):
+    """``fp8_recipe`` became ``recipe`` (it names mxfp8's recipes too): an older params.yaml still loads, and an
+    fp8 plan file written under the old name still reads."""
+    cfg = config.from_dict({"variants": {"fp8": {"precision": "fp8", "fp8_recipe": "rowwise"}}})
+    assert cfg.variants["fp8"].recipe == "rowwise"
+    assert "variants.fp8.fp8_recipe is now variants.fp8.recipe" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="variants.fp8 sets both fp8_recipe and recipe; delete fp8_recipe"):
+        config.from_dict({"variants": {"fp8": {"precision": "fp8", "fp8_recipe": "rowwise", "recipe": "rowwise"}}})
+    plan = runplan.make_plan(cfg, "fp8", "cpu")
+    runplan.write_plan(plan, tmp_path / "fp8.json")
+    old = (tmp_path / "fp8.json").read_text().replace('"recipe"', '"fp8_recipe"')
+    (tmp_path / "old.json").write_text(old)
+    assert runplan.read_plan(tmp_path / "old.json") == plan
 
 
 @pytest.mark.parametrize(("name", "cap", "refused"), [("NVIDIA A100-SXM4-80GB", (8, 0), True),
@@ -100,9 +115,9 @@ def test_env_check_says_what_fp8_converts_and_warns_where_it_cannot_pay(tmp_path
     out = _env_check(tmp_path, {**base, "model": {"arch": "small_cnn"}})
     assert out.returncode == 0 and "fp8 converts no layer of this model" in out.stdout
     assert "it would measure bf16" in out.stdout
-    bad = _env_check(tmp_path, {**base, "variants": {"fp8": {"precision": "fp8", "fp8_recipe": "rowwise_with_gw_hp"}}})
+    bad = _env_check(tmp_path, {**base, "variants": {"fp8": {"precision": "fp8", "recipe": "rowwise_with_gw_hp"}}})
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
-    assert "variants.fp8.fp8_recipe = 'rowwise_with_gw_hp' cannot run on a CPU" in bad.stderr
+    assert "variants.fp8.recipe = 'rowwise_with_gw_hp' cannot run on a CPU" in bad.stderr
 
 
 @pytest.mark.slow
@@ -121,8 +136,8 @@ def test_fp8_and_mxfp8_run_through_dvc_repro_on_vit_tiny(tmp_path):
         "train": {"batch_size": 32, "warmup_steps": 1, "eval_batch_size": 32},
         "amp": {"audit_batches": 0}, "profile": {"steps": 1}, "sweep": {"batch_sizes": [32], "steps": 1},
         "mlflow": {"enabled": False}})
-    params["variants"] = {"fp32": {"precision": "fp32"}, "fp8": {"precision": "fp8", "fp8_recipe": "tensorwise"},
-                          "mx": {"precision": "mxfp8", "fp8_recipe": "mxfp8_emulated_rceil"}}
+    params["variants"] = {"fp32": {"precision": "fp32"}, "fp8": {"precision": "fp8", "recipe": "tensorwise"},
+                          "mx": {"precision": "mxfp8", "recipe": "mxfp8_emulated_rceil"}}
     repo = sandbox.create(tmp_path / "repo", params)
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, env=sandbox.env_with_venv(),
                           capture_output=True, text=True, timeout=900)

@@ -104,8 +104,8 @@ def test_what_a_precision_means_is_said_once():
     from ampbench import config, precision
     assert precision.names() == ("fp32", "tf32", "fp16", "bf16", "fp8", "mxfp8")  # the ladder, in order
     assert config.Variant.__dataclass_fields__["precision"].metadata["choices"]() == precision.names()
-    assert [precision.datasheet_column(p) for p in ("fp32", "tf32", "fp16", "bf16")] == ["fp32", "tf32", "fp16", "bf16"]
-    assert [precision.spec(p).tf32 for p in ("fp32", "tf32", "fp16", "bf16")] == [False, True, False, False]
+    assert [precision.rung(p).datasheet for p in ("fp32", "tf32", "fp16", "bf16")] == ["fp32", "tf32", "fp16", "bf16"]
+    assert [precision.rung(p).tf32 for p in ("fp32", "tf32", "fp16", "bf16")] == [False, True, False, False]
     assert precision.notes({"tf32"}, None) and precision.notes({"tf32"}, {"name": "T4", "capability": "7.5"})
     assert not precision.notes({"tf32"}, {"name": "H200", "capability": "9.0", "tf32_capable": True})
     assert not precision.notes({"fp32", "fp16"}, None)

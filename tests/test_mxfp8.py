@@ -56,7 +56,7 @@ def test_mxfp8_gate_recipes_and_micro_batch_rule():
     with pytest.raises(ConfigError, match="cannot run on a CPU.*mxfp8_emulated_rceil"):
         MX.check("mx", "mxfp8_rceil", "cpu")
     with pytest.raises(ConfigError, match="'rowwise' is not a recipe of precision mxfp8; choose one of: mxfp8_rceil"):
-        config.from_dict({"variants": {"mx": {"precision": "mxfp8", "fp8_recipe": "rowwise"}}})
+        config.from_dict({"variants": {"mx": {"precision": "mxfp8", "recipe": "rowwise"}}})
     found = MX.census(_vit(), None, 32)
     MX.check_batches(found, {"train.batch_size": 32})
     with pytest.raises(ConfigError) as err:
@@ -72,7 +72,7 @@ def test_mxfp8_gate_recipes_and_micro_batch_rule():
 def test_env_check_refuses_an_mxfp8_micro_batch_that_breaks_the_block_rule(tmp_path):
     params = {"device": "cpu", "data": {"source": "synthetic"}, "mlflow": {"enabled": False},
               "model": {"arch": "vit_tiny"}, "train": {"batch_size": 64}, "sweep": {"enabled": False},
-              "variants": {"mx": {"precision": "mxfp8", "accum_steps": 4, "fp8_recipe": "mxfp8_emulated_rceil"}}}
+              "variants": {"mx": {"precision": "mxfp8", "accum_steps": 4, "recipe": "mxfp8_emulated_rceil"}}}
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     r = tmp_path / "reports"
     out = subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--env", str(r / "env.json"),

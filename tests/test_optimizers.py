@@ -85,15 +85,21 @@ def test_adafactor_is_one_entry_with_its_own_defaults_and_implementations():
         config.from_dict({"train": {"optimizer": "adafactor", "lr": 0.1}})
 
 
-def test_auto_keeps_sgd_off_its_fused_kernel_under_a_grad_scaler():
-    """SGD's fused kernel, skipping GradScaler's overflowing first step, leaves its momentum uninitialised: auto
-    picks foreach for SGD under fp16 on CUDA, fused elsewhere on CUDA; AdamW's fused kernel skips cleanly."""
+def test_auto_runs_fused_on_cuda_where_the_optimizer_has_a_kernel_that_skips_cleanly(monkeypatch):
+    """auto: fused on CUDA where torch has it and its kernel skips GradScaler's overflowing step cleanly (SGD's, once
+    its momentum is zeroed before the first step; AdamW's), foreach where torch has no fused form (Adafactor), and
+    foreach under a scaler for an entry whose fused kernel could not skip cleanly."""
+    import dataclasses
     sgd = config.from_dict({})
-    assert runplan.make_plan(sgd, "amp", "cuda").train.optimizer_impl == "foreach"
-    assert runplan.make_plan(sgd, "fp32", "cuda").train.optimizer_impl == "fused"
-    assert runplan.for_precision(sgd, "fp16", "cuda").train.optimizer_impl == "foreach"
+    assert runplan.make_plan(sgd, "amp", "cuda").train.optimizer_impl == "fused"
+    assert runplan.make_plan(sgd, "amp", "cpu").train.optimizer_impl == "foreach"
     adamw = config.from_dict({"train": {"optimizer": "adamw"}})
     assert runplan.make_plan(adamw, "amp", "cuda").train.optimizer_impl == "fused"
+    unsafe = dataclasses.replace(optim.info("sgd"), fused_skips_cleanly=False)
+    monkeypatch.setitem(optim.REGISTRY, "sgd", unsafe)
+    assert runplan.make_plan(sgd, "amp", "cuda").train.optimizer_impl == "foreach"
+    assert runplan.make_plan(sgd, "fp32", "cuda").train.optimizer_impl == "fused"  # no scaler: nothing to skip
+    assert runplan.for_precision(sgd, "fp16", "cuda").train.optimizer_impl == "foreach"
 
 
 def test_adafactor_trains_in_fp16_through_the_runner(tiny_params, tiny_data):
@@ -217,3 +223,50 @@ def test_clipping_and_the_norms_reach_the_run_files(tiny_params, tiny_data, tmp_
     lines = safety._grad_norms("amp", {"amp": run})
     assert lines[2].startswith("| variant | steps | median") and lines[4].startswith("| amp | 4 |")
     assert figures.grad_norm({"amp": run}, tmp_path / "g.png").is_file()
+
+
+@pytest.mark.parametrize(("name", "impl"), [(n, i) for n in optim.names() for i in optim.info(n).impls])
+def test_an_overflow_at_the_first_step_leaves_every_optimizer_as_foreach_leaves_it(tiny_params, tiny_data,
+                                                                                   monkeypatch, name, impl):
+    """GradScaler skips an overflowing first step; a fused kernel is handed the skip on the device. SGD's fused
+    kernel would leave the momentum buffer its first step allocates uninitialised (NaN by the end, or a wrong
+    momentum): zeroed before the first step, every implementation trains the same weights as foreach (the fused
+    ones on the CPU's fused kernels)."""
+    tiny_params["train"].update(epochs=2, optimizer=name)
+    del tiny_params["train"]["lr"], tiny_params["train"]["weight_decay"]  # the optimizer's own
+    out = {}
+    for which in dict.fromkeys(("foreach", impl)):
+        tiny_params["variants"]["amp"]["optimizer_impl"] = which
+        overflow_at(monkeypatch, 1)
+        out[which] = runner.train(runplan.make_plan(config.from_dict(tiny_params), "amp", "cpu"), tiny_data,
+                                  progress=False)
+        monkeypatch.undo()
+    got, ref = out[impl], out["foreach"]
+    assert got.metrics["optimizer_impl"] == impl and got.metrics["skipped_steps"] == 1
+    assert math.isfinite(got.metrics["final_loss"]) and math.isfinite(got.history[-1]["eval_loss"])
+    assert got.metrics["final_loss"] == pytest.approx(ref.metrics["final_loss"], rel=1e-3)
+    assert got.history[-1]["eval_loss"] == pytest.approx(ref.history[-1]["eval_loss"], rel=1e-3)
+
+
+def test_fused_sgd_never_reads_memory_its_skipped_first_step_left_unwritten(monkeypatch):
+    """Deterministic form of the above: uninitialised memory made NaN (``torch.empty_like`` patched), a first step
+    GradScaler skips, then a step taken: the fused SGD's weights equal foreach's, finite."""
+    train = config.from_dict({}).train  # SGD, momentum 0.9, Nesterov
+    real_empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda t, **kw: real_empty_like(t, **kw).fill_(float("nan")))
+    weights = {}
+    for impl in ("foreach", "fused"):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = optim.info("sgd").make(model.parameters(), train, impl)
+        scaler = torch.amp.GradScaler("cpu", init_scale=8.0)
+        for skipped in (True, False):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+            if skipped:
+                model.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        weights[impl] = torch.cat([p.detach().flatten() for p in model.parameters()])
+    assert torch.isfinite(weights["fused"]).all()
+    assert torch.allclose(weights["fused"], weights["foreach"])

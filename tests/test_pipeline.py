@@ -13,7 +13,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from ampbench import sandbox
+from ampbench import results, sandbox
 
 pytestmark = pytest.mark.slow
 VARIANTS = ["fp32", "tf32", "amp", "amp_accum"]
@@ -55,6 +55,11 @@ def test_every_declared_output_exists(pipeline):
                     "skipped_steps", "device", "git_commit"):
             assert key in m, key
         assert (r / "runs" / v / "history.csv").read_text().startswith("epoch,")
+        undeclared = set(m) - set(results.Metrics.__annotations__)  # the writers keep to the one schema
+        assert not undeclared, undeclared
+    assert not set(json.loads((r / "env.json").read_text())) - set(results.Env.__annotations__)
+    from ampbench.report.summary import COPIED
+    assert not set(COPIED) - set(results.Metrics.__annotations__)  # and the report reads what it declares
     md = (r / "report.md").read_text()
     assert all(f"| {v} |" in md for v in VARIANTS)
     summary = json.loads((r / "summary.json").read_text())

@@ -8,7 +8,7 @@ from torch import nn
 
 from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig
-from ampbench.errors import ConfigError
+from ampbench.errors import ConfigError, NonFiniteTraining
 from ampbench.train import engine, ledger, runner, step
 from ampbench.train.policy import PrecisionPolicy
 from tests.conftest import overflow_at
@@ -204,3 +204,36 @@ def test_the_training_peak_is_the_steady_state_one_with_autotuning_and_evaluatio
     assert trainer.peaks.peaks == {"first step": {"peak_mem_bytes": 500, "peak_reserved_bytes": 1000},
                                    "train": {"peak_mem_bytes": 100, "peak_reserved_bytes": 200},
                                    "eval": {"peak_mem_bytes": 800, "peak_reserved_bytes": 1600}}
+
+
+def test_an_epoch_whose_every_loss_was_inf_stops_instead_of_reporting_a_loss_of_zero(tiny_params, tiny_data,
+                                                                                    monkeypatch):
+    """Every step of an epoch skipped with an inf loss, fewer than amp.max_consecutive_nonfinite of them: the
+    epoch's mean loss is NaN (no image counted), not 0.0, and the stop on an inf/NaN training loss fires."""
+    real = step.accumulate_gradients
+
+    def inf_loss(model, *args):
+        loss = real(model, *args)
+        next(model.parameters()).grad[0].fill_(float("inf"))  # the scaler skips the step
+        return loss * float("inf")
+    monkeypatch.setattr(step, "accumulate_gradients", inf_loss)
+    tiny_params["amp"]["max_consecutive_nonfinite"] = 100  # more than an epoch's steps: the mean must say it
+    with pytest.raises(NonFiniteTraining, match="the training loss became inf/NaN"):
+        runner.train(_plan(tiny_params, "amp"), tiny_data, progress=False)
+
+
+def test_a_trainer_is_freed_when_its_last_reference_goes(tiny_params, tiny_data):
+    """No reference cycle through the trainer (its ledger holds its stop weakly): a streamed run's DataLoader
+    workers go with it, not at some later garbage collection that then waits seconds on them (20 s in a stage's
+    MLflow import)."""
+    import gc
+    import weakref
+    trainer = engine.Trainer(_plan(tiny_params, "amp"), tiny_data, progress=False)
+    trainer.run_epoch()
+    ref = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert ref() is None
+    finally:
+        gc.enable()

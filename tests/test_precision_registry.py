@@ -82,12 +82,12 @@ def test_a_toy_family_is_one_module_and_one_line(toy, tmp_path):
     assert precision.names()[-1] == "toy" and precision.label("toy") == "TOY-HALF" and toy.converts
     # params.yaml takes it, and its recipes
     cfg = config.from_dict({"variants": {"fp32": {"precision": "fp32"},
-                                         "toy": {"precision": "toy", "fp8_recipe": "fancy"}}})
+                                         "toy": {"precision": "toy", "recipe": "fancy"}}})
     from ampbench import runplan
     plan = runplan.make_plan(cfg, "toy", "cpu")
-    assert plan.fp8_recipe == "fancy" and runplan.make_plan(cfg, "fp32", "cpu").fp8_recipe is None
+    assert plan.recipe == "fancy" and runplan.make_plan(cfg, "fp32", "cpu").recipe is None
     # a training step through the engine's step
-    policy = PrecisionPolicy("toy", "cpu", None, plan.fp8_recipe)
+    policy = PrecisionPolicy("toy", "cpu", None, plan.recipe)
     model = policy.prepare(_model())
     assert toy.converted(model) == 2
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -23,7 +23,7 @@ from ampbench.config import (
     to_dict,
 )
 from ampbench.errors import ConfigError
-from ampbench.precision import amp_settings, recipe_for, spec  # GradScaler settings where used; TF32 by precision
+from ampbench.precision import amp_settings, recipe_for, rung  # GradScaler settings where used; TF32 by precision
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class RunPlan:
     backend: str = "gloo"         # resolved process-group backend: nccl or gloo
     grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
     find_unused_parameters: bool = False  # DDP's find_unused_parameters (only where ddp is true)
-    fp8_recipe: str | None = None  # a rung with recipes (fp8) only: its recipe (absent from other plans' files)
+    recipe: str | None = None     # a rung with recipes (fp8, mxfp8) only: its recipe (absent from other plans' files)
     placement: str = "device"     # resolved data.placement: device | stream
     workers: int = 0              # stream only: DataLoader worker processes (both absent from a device plan's file)
 
@@ -62,7 +62,7 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
     v = cfg.variants[variant]
     # target_acc is read by the report only, not a reason to retrain; TF32 follows the precision; the optimizer's
     # implementation is the variant's own where it sets one, resolved for the device
-    train = dataclasses.replace(cfg.train, target_acc=0.0, allow_tf32=spec(v.precision).tf32,
+    train = dataclasses.replace(cfg.train, target_acc=0.0, allow_tf32=rung(v.precision).tf32,
                                 optimizer_impl=optimizer_impl(cfg, v.optimizer_impl, v.precision, device))
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
@@ -70,7 +70,7 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
                    model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
                    grad_comm=v.grad_comm or cfg.distributed.grad_comm,
                    find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters,
-                   fp8_recipe=recipe_of(v),
+                   recipe=recipe_for(v.precision, v.recipe),
                    placement=placement, workers=workers if placement == "stream" else 0)
 
 
@@ -79,38 +79,34 @@ def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
     settings and loss scale, in one process, uncompiled (each swept batch size would compile anew)."""
     return RunPlan(variant=f"sweep-{precision}", precision=precision, accum_steps=1, device=device, seed=cfg.seed,
                    model=cfg.model, train=dataclasses.replace(
-                       cfg.train, compile=False, allow_tf32=spec(precision).tf32,
+                       cfg.train, compile=False, allow_tf32=rung(precision).tf32,
                        optimizer_impl=optimizer_impl(cfg, "", precision, device)),
                    amp=amp_settings(precision, cfg.amp), ddp=False,
-                   fp8_recipe=recipe(cfg, precision))
+                   recipe=recipe(cfg, precision))
 
 
 def optimizer_impl(cfg: Config, impl: str, precision: str, device: str) -> str:
     """A variant's optimizer implementation (``impl``: its own, "" for train.optimizer_impl) with auto resolved
     by the optimizer's registry entry for the device and whether ``precision`` steps it through a GradScaler."""
     impl = impl or cfg.train.optimizer_impl
-    return optim.info(cfg.train.optimizer).auto_impl(device, spec(precision).grad_scaler) if impl == "auto" else impl
-
-
-def recipe_of(v) -> str | None:
-    """A variant's recipe: its own, else its rung's default; None for a rung that takes no recipe."""
-    return recipe_for(v.precision, v.fp8_recipe)
+    return optim.info(cfg.train.optimizer).auto_impl(device, rung(precision).grad_scaler) if impl == "auto" else impl
 
 
 def recipe(cfg: Config, precision: str) -> str | None:
     """The recipe ``precision`` runs with where no variant names one (the sweep, the roofline, the census): that
     of its first variant, else the rung's default; None for a rung that takes no recipe."""
-    return recipe_for(precision, next((v.fp8_recipe for v in cfg.variants.values() if v.precision == precision),
+    return recipe_for(precision, next((v.recipe for v in cfg.variants.values() if v.precision == precision),
                                       None))
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:
-    """The plan as JSON; ``fp8_recipe`` only in an fp8 plan and the data placement only when it streams, so the
-    other plans' files (train-stage deps) stay as they were before these existed and their stages do not rerun."""
+    """The plan as JSON; ``recipe`` only in a plan of a rung with recipes and the data placement only when it
+    streams, so the other plans' files (train-stage deps) stay as they were before these existed and their stages
+    do not rerun."""
     path.parent.mkdir(parents=True, exist_ok=True)
     d = to_dict(plan)
-    if d["fp8_recipe"] is None:
-        del d["fp8_recipe"]
+    if d["recipe"] is None:
+        del d["recipe"]
     if d["placement"] == "device":
         del d["placement"], d["workers"]
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
@@ -130,4 +126,5 @@ def read_plan(path: str | Path) -> RunPlan:
         profile=ProfileConfig(**raw.get("profile", {})),
         model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
         grad_comm=raw.get("grad_comm", "none"), find_unused_parameters=raw.get("find_unused_parameters", False),
-        fp8_recipe=raw.get("fp8_recipe"), placement=raw.get("placement", "device"), workers=raw.get("workers", 0))
+        recipe=raw.get("recipe", raw.get("fp8_recipe")),  # an older plan's name for it
+        placement=raw.get("placement", "device"), workers=raw.get("workers", 0))

@@ -34,6 +34,7 @@ class OptimInfo:
     max_lr: float | None = None     # above it, the lr is another optimizer's brought over (it diverges)
     impls: tuple[str, ...] = IMPLS  # the implementations torch has for it
     fused_skips_cleanly: bool = True  # its fused kernel leaves every state untouched on GradScaler's found-inf
+    prime: Callable[[Any], None] | None = None  # run on a new optimizer: its state made before the first step
 
     def auto_impl(self, device: str, scaled: bool) -> str:
         """``train.optimizer_impl: auto``: fused on CUDA (one kernel for the whole update) where torch has it and
@@ -47,7 +48,10 @@ class OptimInfo:
         import torch
 
         kind = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False}}[impl]
-        return getattr(torch.optim, self.cls)(params, lr=train.lr, **self.kwargs(train), **kind)
+        opt = getattr(torch.optim, self.cls)(params, lr=train.lr, **self.kwargs(train), **kind)
+        if self.prime is not None:
+            self.prime(opt)
+        return opt
 
 
 def _numel(shape: tuple) -> int:
@@ -96,14 +100,26 @@ def training_bytes(shapes, train) -> int:
     return 8 * sum(_numel(tuple(s)) for s in shapes) + state_bytes(train.optimizer, shapes, train)
 
 
-# SGD's fused kernel returns early on GradScaler's found-inf without writing the momentum buffer that its first
-# step allocates uninitialised (torch.optim.SGD, ``is_first_step``): auto keeps SGD foreach under fp16.
+def _zero_momentum(opt) -> None:
+    """SGD's momentum buffers, zero, before its first step. torch's SGD allocates them on its first step
+    (``is_first_step``: ``torch.empty_like`` in the fused path, a copy of the gradient in the others); its fused
+    kernel, handed GradScaler's found-inf for an overflowing first step, returns without writing them, and the
+    uninitialised memory becomes the momentum. With dampening 0 (always here) a zero buffer gives the first step's
+    own rule: momentum x 0 + gradient = the gradient, in every implementation."""
+    import torch
+
+    for group in opt.param_groups:
+        if group["momentum"]:
+            for p in group["params"]:
+                opt.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 register(OptimInfo(
     "sgd", "SGD", "SGD with Nesterov momentum",
     kwargs=lambda t: {"momentum": t.momentum, "weight_decay": t.weight_decay, "nesterov": t.momentum > 0},
     state=lambda shape, t: _numel(shape) if t.momentum > 0 else 0,
     state_words="SGD's momentum: one value per parameter",
-    defaults={"lr": 0.1, "weight_decay": 5e-4}, fused_skips_cleanly=False))
+    defaults={"lr": 0.1, "weight_decay": 5e-4}, prime=_zero_momentum))
 register(OptimInfo(
     "adamw", "AdamW", "AdamW (decoupled weight decay)",
     kwargs=lambda t: {"betas": tuple(t.betas), "eps": t.eps, "weight_decay": t.weight_decay},

@@ -129,7 +129,7 @@ class Variant:
     accum_steps: int = _opt(1, lo=1)                   # micro-batches per optimizer step
     ddp: bool = True              # false: one process even when distributed.nproc_per_node > 1 (the scaling baseline)
     grad_comm: str = _opt("", choices=("", *GRAD_COMMS))  # "" = distributed.grad_comm
-    fp8_recipe: str = _opt("", choices=lambda: ("", *_recipes()))  # fp8, mxfp8: its recipe; "" = its default
+    recipe: str = _opt("", choices=lambda: ("", *_recipes()))  # fp8, mxfp8: its recipe; "" = its default
     optimizer_impl: str = _opt("", choices=("", *OPTIMIZER_IMPLS))  # "" = train.optimizer_impl
 
 

@@ -127,10 +127,10 @@ def micro_batch(batch_size: int, world: int, accum_steps: int, variant: str = ""
 def _cross_check(cfg: Config) -> None:
     for name, v in cfg.variants.items():
         own = precision.rung(v.precision).recipes
-        if v.fp8_recipe and v.fp8_recipe not in own:
-            raise ConfigError(f"{_where(f'variants.{name}.fp8_recipe', v.fp8_recipe)} is not a recipe of precision "
+        if v.recipe and v.recipe not in own:
+            raise ConfigError(f"{_where(f'variants.{name}.recipe', v.recipe)} is not a recipe of precision "
                               f"{v.precision}; " + (f"choose one of: {' | '.join(own)}, or \"\" for {own[0]}" if own
-                                                    else "it takes none: delete fp8_recipe"))
+                                                    else "it takes none: delete recipe"))
         micro_batch(cfg.train.batch_size, variant_world(cfg, name), v.accum_steps, name)
     t = cfg.train
     opt = optim.info(t.optimizer)
@@ -191,6 +191,24 @@ def _migrate(raw: dict) -> dict:
     return raw
 
 
+def _migrate_recipe(raw: dict) -> dict:
+    """``variants.<v>.fp8_recipe`` is now ``recipe`` (it names mxfp8's recipes too): renamed, with one line on
+    stderr; both at once is refused."""
+    variants = raw.get("variants")
+    if not isinstance(variants, dict):
+        return raw
+    renamed = {}
+    for name, v in variants.items():
+        if isinstance(v, dict) and "fp8_recipe" in v:
+            if "recipe" in v:
+                raise ConfigError(f"params.yaml: variants.{name} sets both fp8_recipe and recipe; delete fp8_recipe "
+                                  "(recipe replaces it)")
+            renamed[name] = {("recipe" if k == "fp8_recipe" else k): x for k, x in v.items()}
+            print(f"params.yaml: variants.{name}.fp8_recipe is now variants.{name}.recipe (it names mxfp8's recipes "
+                  "too); rename it", file=sys.stderr)
+    return {**raw, "variants": {**variants, **renamed}} if renamed else raw
+
+
 def _optimizer_defaults(raw: dict) -> dict:
     """``train.lr`` and ``train.weight_decay`` left out: the chosen optimizer's own defaults."""
     train = raw.get("train")
@@ -204,7 +222,7 @@ def from_dict(raw: Any) -> Config:
     if raw is None:
         raise ConfigError("params.yaml is empty; copy the committed params.yaml and edit it")
     if isinstance(raw, dict):
-        raw = _optimizer_defaults(_migrate(raw))
+        raw = _optimizer_defaults(_migrate_recipe(_migrate(raw)))
     cfg = _build(Config, raw, "")
     _cross_check(cfg)
     return cfg

@@ -75,7 +75,7 @@ def census(cfg: config.Config, device: str, image_size: int, num_classes: int) -
         return {}, []
     for name, v in cfg.variants.items():
         if v.precision in used:
-            precision.rung(v.precision).check(name, v.fp8_recipe or None, device)
+            precision.rung(v.precision).check(name, v.recipe or None, device)
     model = models.build_meta(cfg.model, num_classes=num_classes, image_size=image_size)
     found, warnings = {}, []
     for p in used:
@@ -141,7 +141,7 @@ def tracking_warnings(cfg: config.Config) -> list[str]:
         out.append(f"MLflow tracking store {config.redact(uri)} is a database this machine would write to directly "
                    "(running MLflow's schema migrations, keeping artifacts on its own disk); for a team, run one "
                    "`mlflow server --serve-artifacts` on it and point every machine at that server's http:// "
-                   "address (README, For a team)")
+                   "address (docs/team.md)")
     problem = services.check_tracking_server(uri)
     if problem:
         out.append(f"MLflow tracking store {config.redact(uri)} {problem}. Training will run and keep its results "

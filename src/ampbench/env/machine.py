@@ -20,6 +20,7 @@ import torch
 from ampbench import precision
 from ampbench.config import resolve_backend
 from ampbench.errors import EnvironmentMismatch
+from ampbench.results.schema import Env
 
 # The oldest Linux driver each CUDA major version runs on (NVIDIA's CUDA Toolkit release notes, "CUDA Toolkit and
 # Corresponding Driver Versions", minor version compatibility): a torch wheel built for CUDA 13.0 needs r580.
@@ -70,7 +71,7 @@ def _dotted(version: tuple[int, ...]) -> str:
 PROBE_OVERRIDE_ENV = "AMPBENCH_PROBE_OVERRIDE"  # JSON merged into probe(): a clone presenting another machine (tests)
 
 
-def probe() -> dict:
+def probe() -> Env:
     """Describe this machine's accelerator, software and CPU (deterministic); ``$AMPBENCH_PROBE_OVERRIDE`` (a JSON
     object) replaces what it names, so a test's clones can present different machines through DVC's stages."""
     info = _probe()
@@ -84,8 +85,8 @@ def probe() -> dict:
     return info
 
 
-def _probe() -> dict:
-    info: dict = {
+def _probe() -> Env:
+    info: Env = {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
@@ -165,8 +166,8 @@ def resolve_device(requested: str, info: dict, precisions: set[str]) -> str:
         raise EnvironmentMismatch(
             f"nvidia-smi shows a GPU with NVIDIA driver {driver}, too old for this torch {info['torch']} built for "
             f"CUDA {info['cuda_runtime']} (it needs driver {_dotted(needed)} or later), so torch cannot use the GPU; "
-            f"update the driver, or install a torch build for an older CUDA: {OLDER_TORCH} (README: an older "
-            "driver)")
+            f"update the driver, or install a torch build for an older CUDA: {OLDER_TORCH} (docs/troubleshooting.md: "
+            "an older NVIDIA driver)")
     if requested == "cuda" and not has_cuda:
         raise EnvironmentMismatch(
             "params.yaml: device = 'cuda' but torch sees no CUDA GPU here "

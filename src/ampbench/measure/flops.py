@@ -77,7 +77,7 @@ def datasheet_row(gpu_name: str | None) -> dict | None:
 
 
 def datasheet_peak(gpu_name: str | None, precision: str) -> float | None:
-    """The dense peak (TFLOP/s) in column ``precision`` (``precision.datasheet_column``), if known."""
+    """The dense peak (TFLOP/s) in column ``precision`` (a rung's ``datasheet``), if known."""
     row = datasheet_row(gpu_name)
     return row.get(precision) if row else None
 

@@ -174,7 +174,7 @@ def _called_from(files: tuple[str, ...]) -> bool:
 
 
 def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
-          make_optimizer, fp8_recipe: str | None = None) -> list[Op]:
+          make_optimizer, recipe: str | None = None) -> list[Op]:
     """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors.
 
     ``model`` is prepared as the precision trains it (fp8: torchao converts its eligible Linear layers, whose
@@ -182,11 +182,11 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     builds the optimizer the training uses. One step first, so the optimizer's state exists (the counted step is
     a steady one).
     """
-    from ampbench.precision import spec
+    from ampbench.precision import rung
 
-    rung = spec(precision)
-    block_fp8 = rung.converted_gemms(model, fp8_recipe)
-    model = rung.roofline_model(model, fp8_recipe).to("meta")
+    rung = rung(precision)
+    block_fp8 = rung.converted_gemms(model, recipe)
+    model = rung.roofline_model(model, recipe).to("meta")
     x, y = x.to("meta"), y.to("meta")
     opt = make_optimizer(model.parameters())
     low = getattr(torch, rung.autocast) if rung.autocast else None

@@ -42,8 +42,8 @@ def find_gpu(name: str) -> dict:
 
 def _rate(op: Op, precision: str, row: dict) -> float | None:
     """The peak (FLOP/s) an op's math runs at on ``row``'s GPU; None when that GPU cannot run its dtype."""
-    from ampbench.precision import spec
-    column = spec(precision).peak_column(op.dtype, row)
+    from ampbench.precision import rung
+    column = rung(precision).peak_column(op.dtype, row)
     peak = row.get(column) if column else None
     return peak * 1e12 if peak else None
 
@@ -74,11 +74,11 @@ def step_time(ops: list[Op], row: dict, precision: str) -> dict | None:
 
 def table(counted: dict[str, list[Op]], row: dict, batch: int) -> dict[str, dict]:
     """Per precision on one GPU: roofline step time, img/s, the ratio to strict fp32 and to tf32."""
-    from ampbench.precision import spec
+    from ampbench.precision import rung
     out = {}
     for precision, ops in counted.items():
         # a GPU without fp8 tensor cores cannot run the fp8 precision at all, even for a model it converts nothing of
-        t = step_time(ops, row, precision) if spec(precision).runs_on(row) else None
+        t = step_time(ops, row, precision) if rung(precision).runs_on(row) else None
         out[precision] = {"step_ms": t["step_s"] * 1e3, "imgs_per_s": batch / t["step_s"],
                           "memory_bound_share": t["memory_bound_share"]} if t else None
     for ref in ("fp32", "tf32"):
@@ -104,10 +104,10 @@ def record(cfg, gpu_name: str | None, make_optimizer) -> dict:
     tensors (``opcount.for_config``)."""
     from ampbench import config
     from ampbench.measure.flops import datasheet_row
-    from ampbench.precision import names, spec
+    from ampbench.precision import names, rung
 
     used = {v.precision for v in cfg.variants.values()}
-    found = for_config(cfg, make_optimizer, precisions=tuple(p for p in names() if spec(p).always_counted or p in used))
+    found = for_config(cfg, make_optimizer, precisions=tuple(p for p in names() if rung(p).always_counted or p in used))
     s = found["summary"]
     out = {"model": found["model"], "batch": found["batch"], "input_size": found["input_size"],
            "flops": s["flops"], "bytes": s["bytes"], "conv_flop_share": s["conv_flop_share"],

@@ -161,18 +161,9 @@ def rung(name: str) -> Rung:
     return RUNGS[name]
 
 
-def spec(name: str) -> Rung:  # the name the engine's callers grew up with
-    return RUNGS[name]
-
-
 def label(name: str) -> str:
     r = RUNGS.get(name)
     return r.label if r else name
-
-
-def datasheet_column(name: str) -> str:
-    """Which datasheet peak column a precision's matmuls and convolutions run at."""
-    return RUNGS[name].datasheet
 
 
 def amp_settings(name: str, amp):

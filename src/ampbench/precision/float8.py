@@ -99,7 +99,7 @@ class Float8(LinearRung):
         said = f"{recipe!r}" if recipe else f"{self.default_recipe!r} (the default)"
         recipe = recipe or self.default_recipe
         if device == "cpu" and recipe not in self.cpu_recipes:
-            raise ConfigError(f"params.yaml: variants.{variant}.fp8_recipe = {said} cannot run on a CPU (its "
+            raise ConfigError(f"params.yaml: variants.{variant}.recipe = {said} cannot run on a CPU (its "
                               "high-precision gradient GEMM fails under CPU bf16 autocast); use "
                               f"{' or '.join(self.cpu_recipes)} here, or run on a GPU")
 

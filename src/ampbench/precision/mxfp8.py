@@ -155,7 +155,7 @@ class MXFP8(LinearRung):
         said = f"{recipe!r}" if recipe else f"{self.default_recipe!r} (the default)"
         recipe = recipe or self.default_recipe
         if device == "cpu" and recipe not in self.cpu_recipes:
-            raise ConfigError(f"params.yaml: variants.{variant}.fp8_recipe = {said} cannot run on a CPU (torchao's "
+            raise ConfigError(f"params.yaml: variants.{variant}.recipe = {said} cannot run on a CPU (torchao's "
                               f"MX kernels need a GPU); use {' or '.join(self.cpu_recipes)} here, or run on a B200")
 
     def check_batches(self, census: dict, batches: dict[str, int]) -> None:

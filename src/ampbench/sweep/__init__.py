@@ -32,7 +32,7 @@ import torch
 from ampbench import models, runplan
 from ampbench.config import Config, sweep_precisions, to_dict
 from ampbench.errors import analysis
-from ampbench.precision import spec
+from ampbench.precision import rung
 from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, source_digest, source_files, write_json
 from ampbench.sweep.bench import POOL, WARMUP, Bench  # noqa: F401
 from ampbench.sweep.search import (  # noqa: F401
@@ -60,13 +60,13 @@ def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerpri
     source (a user's factory; torchvision's version for a tv: model) and this code (``code_digest``)."""
     parts = {"precision": precision, "batch": batch, "steps": cfg.sweep.steps, "seed": cfg.seed,
              "model": to_dict(cfg.model), "augment": cfg.train.augment,
-             "amp": to_dict(cfg.amp) if spec(precision).grad_scaler else None,  # the loss scale: fp16's alone
+             "amp": to_dict(cfg.amp) if rung(precision).grad_scaler else None,  # the loss scale: fp16's alone
              "limit": cfg.sweep.memory_limit_gib, "data": meta,
              "optimizer": [cfg.train.optimizer, cfg.train.optimizer_impl, cfg.train.clip_grad_norm,
                            cfg.train.momentum, cfg.train.weight_decay],  # momentum 0: no buffer, less memory
              "env": env_fingerprint, "model_source": model_source, "code": code}
     if runplan.recipe(cfg, precision):  # a rung with recipes: the one it runs
-        parts["fp8_recipe"] = runplan.recipe(cfg, precision)
+        parts["recipe"] = runplan.recipe(cfg, precision)
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -23,7 +23,7 @@ from ampbench import config, data, models, runplan
 from ampbench.config import optim
 from ampbench.errors import analysis, first_line
 from ampbench.measure import roofline
-from ampbench.precision import BASELINE, converting, names, spec
+from ampbench.precision import BASELINE, converting, names, rung
 from ampbench.train import probes, setup, step
 
 ZOO_GPUS = ("RTX 5090", "H100 SXM")  # the roofline's ratios are given on these (the article's card, a datacenter one)
@@ -41,10 +41,10 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
     """One optimizer step of ``precision`` at ``STEP_BATCH`` images of size x size: its loss and time."""
     plan = runplan.for_precision(cfg, precision, device.type)
     note = ""
-    rung = spec(precision)
-    if rung.cpu_recipes and device.type == "cpu" and plan.fp8_recipe not in rung.cpu_recipes:
-        note = f"recipe {rung.cpu_recipes[0]} here: {plan.fp8_recipe} runs on a GPU only; "
-        plan = dataclasses.replace(plan, fp8_recipe=rung.cpu_recipes[0])
+    r = rung(precision)
+    if r.cpu_recipes and device.type == "cpu" and plan.recipe not in r.cpu_recipes:
+        note = f"recipe {r.cpu_recipes[0]} here: {plan.recipe} runs on a GPU only; "
+        plan = dataclasses.replace(plan, recipe=r.cpu_recipes[0])
     meta = {"image_shape": [3, size, size], "num_classes": num_classes, "mean": [0.5] * 3, "std": [0.25] * 3}
     s = setup.build(plan, meta, device)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -57,12 +57,12 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
                                  clip=cfg.train.clip_grad_norm))
     seconds = time.perf_counter() - t0
     # a CPU has no fp16 or fp8 tensor cores: autocast to fp16 and torchao's fp8 GEMMs run emulated there
-    emulated = device.type == "cpu" and rung.emulated_on_cpu
+    emulated = device.type == "cpu" and r.emulated_on_cpu
     if not math.isfinite(loss):
         raise RuntimeError(f"the step's loss is {loss}" + (
             " on a CPU, whose autocast lists differ from CUDA's: it runs in fp16 some ops CUDA autocast keeps in fp32 "
             "(F.normalize's norm: its eps of 1e-12 is 0 in fp16, so a zero vector gives 0/0); a GPU run tells"
-            if emulated and rung.autocast == "float16" else ""))
+            if emulated and r.autocast == "float16" else ""))
     # the activation meter, as a train stage runs it (an analysis: its failure is said, the step still passed)
     saved, why = analysis("activations", models.name(cfg.model), probes.activation_bytes, s.model, x, s.policy)
     return {"loss": loss, "s": seconds, "activation_bytes": saved,
@@ -126,7 +126,7 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
 
     for name_ in converting(names()):  # what each converting rung converts in this model
         try:
-            found = spec(name_).census(model, runplan.recipe(cfg, name_), size)
+            found = rung(name_).census(model, runplan.recipe(cfg, name_), size)
             row(f"{name_} converts", None, (
                 f"{len(found['called'])} Linear layer(s), {found['flop_share']:.0%} of the forward FLOPs"
                 if found["called"] else f"no layer: an {name_} variant would measure bf16"),

@@ -224,14 +224,15 @@ class Trainer:
         return self.stop_agreed if self.world.active else self.stop_requested
 
     def mean_loss(self) -> float:
-        """This epoch's mean training loss so far, over all ranks (one sync, every 25 steps).
+        """This epoch's mean training loss so far, over all ranks (one sync, every 25 steps); NaN when every step's
+        loss so far was inf/NaN (left out of the sum), so the loop's inf/NaN stop fires.
 
         Under DDP the same all-reduce carries whether any rank has seen Ctrl-C, so all stop after the same step.
         """
         total, seen, stop = self.world.reduce([self.ledger.loss_sum.item(), self.ledger.seen,
                                                float(self.stop_requested)])
         self.stop_agreed = stop > 0
-        return total / max(1, seen)
+        return total / seen if seen else math.nan  # no image counted (every loss inf/NaN): not a loss of 0
 
     # --- checkpoints ---------------------------------------------------------------------------
 

@@ -13,8 +13,10 @@ written once, and followed on the device from a table of its values.
 
 from __future__ import annotations
 
+import inspect
 import math
 import struct
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -165,7 +167,10 @@ class StepLedger:
     def __init__(self, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler, total_steps: int,
                  device: torch.device, world: distributed.World, max_nonfinite: int, log_norms: bool,
                  on_stop: Callable[[str], None]):
-        self.scaler, self.world, self.max_nonfinite, self.on_stop = scaler, world, max_nonfinite, on_stop
+        self.scaler, self.world, self.max_nonfinite = scaler, world, max_nonfinite
+        # held weakly: the trainer holds this ledger, and a cycle would keep the trainer (its data feeds and their
+        # DataLoader workers) alive until a garbage collection at some later moment, which then waits on them
+        self._on_stop = weakref.WeakMethod(on_stop) if inspect.ismethod(on_stop) else lambda: on_stop
         self.device = device
         self.sched = schedule(opt, total_steps, scaler)
         self.deferred = skips_on_device(opt, scaler)  # a fused optimizer under fp16: skips settled at the syncs
@@ -228,8 +233,8 @@ class StepLedger:
             self.nonfinite_steps += 1
             self.consecutive_nonfinite += 1
             if self.consecutive_nonfinite >= self.max_nonfinite:
-                self.on_stop(f"{self.consecutive_nonfinite} steps in a row had an inf/NaN loss "
-                             f"(amp.max_consecutive_nonfinite = {self.max_nonfinite})")
+                self._on_stop()(f"{self.consecutive_nonfinite} steps in a row had an inf/NaN loss "
+                                f"(amp.max_consecutive_nonfinite = {self.max_nonfinite})")
         else:
             self.consecutive_nonfinite = 0
 

@@ -13,11 +13,12 @@ import torch
 from ampbench import models, precision
 from ampbench.config import optim
 from ampbench.measure import flops, memory, stats
+from ampbench.results.schema import Metrics
 
 
 @dataclass
 class RunResult:
-    metrics: dict                                      # one flat-ish dict: metrics.json
+    metrics: Metrics                                   # metrics.json (results.schema)
     history: list[dict] = field(default_factory=list)  # one row per epoch
     scale_history: list[dict] = field(default_factory=list)  # every loss-scale change: step, scale, skipped
     grad_norms: list[dict] = field(default_factory=list)  # the gradient norm before clipping: step, grad_norm
@@ -65,7 +66,7 @@ def run_result(t) -> RunResult:
     peak_prec = rung.measured_column(fp8_layers)  # an fp8 run that converted nothing ran in bf16: bf16's peak
     peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
     achieved = t.flops_per_image * ips / 1e12 if ips and t.flops_per_image else None
-    metrics = {
+    metrics: Metrics = {
         "variant": plan.variant, "precision": plan.precision, "accum_steps": plan.accum_steps,
         "micro_batch_size": t.micro, "epochs": plan.train.epochs, "batch_size": plan.train.batch_size,
         "arch": plan.model.arch, **models.describe(t.model, plan.model), "input_size": t.input_size,
@@ -101,7 +102,7 @@ def run_result(t) -> RunResult:
         "data_source": t.data_meta["source"],
         "data_placement": plan.placement,  # device: resident there; stream: DataLoader workers from host memory
         "data_workers": plan.workers if plan.placement == "stream" else None,
-        "fp8_recipe": plan.fp8_recipe,  # fp8 only: torchao's recipe, and how many layers it converted
+        "fp8_recipe": plan.recipe,  # a converting rung (fp8, mxfp8): its recipe, and the layers it converted
         "fp8_layers": fp8_layers,
         "optimizer": plan.train.optimizer, "optimizer_impl": plan.train.optimizer_impl,
         "optimizer_state_kept": optim.info(plan.train.optimizer).state_words,  # the report's words for its state

@@ -27,14 +27,14 @@ class PrecisionPolicy:
     precision: str          # a registered rung
     device_type: str        # cuda | cpu
     amp: AmpConfig | None   # GradScaler settings, used only by a precision that needs a scaler
-    fp8_recipe: str | None = None  # a converting rung's recipe
+    recipe: str | None = None  # a converting rung's recipe
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model as this precision trains it (a converting rung: its eligible layers converted)."""
-        return self.spec.prepare(model, self.fp8_recipe)
+        return self.rung.prepare(model, self.recipe)
 
     @property
-    def spec(self) -> Rung:
+    def rung(self) -> Rung:
         return RUNGS[self.precision]
 
     @property
@@ -43,11 +43,11 @@ class PrecisionPolicy:
 
     @property
     def uses_autocast(self) -> bool:
-        return self.spec.autocast is not None
+        return self.rung.autocast is not None
 
     @property
     def uses_scaler(self) -> bool:
-        return self.spec.grad_scaler
+        return self.rung.grad_scaler
 
     def autocast(self) -> AbstractContextManager:
         """The forward-pass context: autocast to the precision's dtype, or a disabled one."""

@@ -1,7 +1,7 @@
 """Running one variant: epochs with checkpoints, Ctrl-C at a step boundary, repeats over seeds.
 
 ``train(plan, data)`` returns a ``metrics.RunResult``; writing it to disk is the
-caller's job (see ``results.py``). With a checkpoint folder, the run saves its
+caller's job (see ``results``). With a checkpoint folder, the run saves its
 state after every epoch and on Ctrl-C, and resumes from it.
 """
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from ampbench import models
 from ampbench.config import optim
-from ampbench.precision import set_tf32, spec
+from ampbench.precision import rung, set_tf32
 from ampbench.runplan import RunPlan
 from ampbench.train import distributed
 from ampbench.train.policy import PrecisionPolicy
@@ -47,7 +47,7 @@ def optimizer(plan: RunPlan, params, impl: str | None = None) -> torch.optim.Opt
     entry = optim.info(plan.train.optimizer)
     impl = impl or plan.train.optimizer_impl
     if impl == "auto":
-        impl = entry.auto_impl(plan.device, plan.amp is not None and spec(plan.precision).grad_scaler)
+        impl = entry.auto_impl(plan.device, plan.amp is not None and rung(plan.precision).grad_scaler)
     return entry.make(params, plan.train, impl)
 
 
@@ -63,7 +63,7 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     set_tf32(plan.train.allow_tf32)
-    policy = PrecisionPolicy(plan.precision, device.type, plan.amp, plan.fp8_recipe)
+    policy = PrecisionPolicy(plan.precision, device.type, plan.amp, plan.recipe)
     input_size = models.input_size(plan.model, meta["image_shape"][-1])
     model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
@@ -76,7 +76,7 @@ def flops_model(s: Setup, meta: dict, device: torch.device) -> torch.nn.Module:
     """The model its FLOPs are counted on: the one trained, or for a rung that converts layers a fresh build left
     unconverted (the same FLOPs; a converted model's fp8 GEMMs refuse a count's small batch: MX everywhere, CUDA's
     fp8 where images x tokens is not a multiple of 16)."""
-    if not s.policy.spec.converts:
+    if not s.policy.rung.converts:
         return s.model
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's draws unchanged
         return models.build(s.plan.model, num_classes=meta["num_classes"], image_size=s.input_size, device=device)

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampbench.measure.sysmon import COLUMNS as SYSTEM_COLUMNS
+from ampbench.results.schema import Env, Metrics  # noqa: F401  the files' schema
 
-PACKAGE = Path(__file__).resolve().parent  # src/ampbench
+PACKAGE = Path(__file__).resolve().parent.parent  # src/ampbench
 METRICS, HISTORY, SCALE, STEP_TIMES = "metrics.json", "history.csv", "loss_scale.csv", "step_times.json"
 NUMERICS, SYSTEM, TRACE = "numerics.csv", "system.csv", "profile_trace.json"
 GRAD_NORM = "grad_norm.csv"
@@ -96,7 +97,7 @@ TABLES = {
 }
 
 
-def write_run(out_dir: Path, metrics: dict, tables: dict[str, list[dict]], step_times_ms: list[float] = (),
+def write_run(out_dir: Path, metrics: Metrics, tables: dict[str, list[dict]], step_times_ms: list[float] = (),
               trace: str = "", model: dict | None = None) -> None:
     """A run folder: every table of ``TABLES`` (``tables`` by key; one left out is written empty), the step times,
     the profile's trace, the weights, and metrics.json last (its presence means the run is complete)."""
