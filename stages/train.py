@@ -3,10 +3,10 @@
     python stages/train.py --nproc-per-node 1 --plan reports/plans/amp.json --data data/prepared \
         --env reports/env.json --out reports/runs/amp --checkpoints checkpoints/amp
 
-With ``--nproc-per-node N`` over 1 it replaces itself with ``torchrun --standalone --nproc-per-node N
-stages/train.py ...`` (the same process, so a signal to it reaches torchrun); with 1 it trains in this process,
-without torchrun's own start-up and a second interpreter. Under torchrun with several
-processes, each trains on its slice of every batch (DDP) and rank 0 alone
+With ``--nproc-per-node N`` over 1 it runs ``torchrun --standalone --nproc-per-node N stages/train.py ...``'s
+elastic agent in this process (so a signal to it reaches the agent), and ends with a rank's own message rather than
+torchrun's traceback; with 1 it trains in this process, without torchrun's own start-up and a second interpreter.
+Under torchrun with several processes, each trains on its slice of every batch (DDP) and rank 0 alone
 writes the run files, the checkpoints and the MLflow run; a variant with
 ``ddp: false`` trains on rank 0 alone while the other ranks exit at once.
 
@@ -42,10 +42,9 @@ def main() -> None:
                     help="training processes (distributed.nproc_per_node): over 1, this runs itself under torchrun")
     args = ap.parse_args()
     if args.nproc_per_node > 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
-        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                  str(args.nproc_per_node), sys.argv[0], *sys.argv[1:]]
-        print("torchrun " + " ".join(launch[3:]), flush=True)
-        os.execv(sys.executable, launch)  # this process becomes torchrun: Ctrl-C and kills reach it as before
+        print(f"torchrun --standalone --nproc-per-node {args.nproc_per_node} {' '.join(sys.argv)}", flush=True)
+        distributed.torchrun(args.nproc_per_node, sys.argv)  # its agent in this process: Ctrl-C and kills reach it
+        return
 
     plan = runplan.read_plan(args.plan)
     distributed.exit_with_launcher()

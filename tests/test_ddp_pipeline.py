@@ -174,3 +174,32 @@ def test_ctrl_c_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(ddp
     assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
     rows = (tmp_path / "out" / "history.csv").read_text().splitlines()
     assert _same_history([r.split(",")[:5] for r in rows], _history(reference, "fp32"))
+
+
+@pytest.mark.slow
+def test_a_rank_that_stops_with_a_message_ends_the_stage_with_it_not_torchruns_traceback(tmp_path):
+    """Under torchrun, a rank that stops with ampbench's message (here every rank: a plan whose batch does not split
+    over the processes, a ConfigError) ends the stage with that message last and its exit code (2), not torchrun's
+    ChildFailedError traceback and exit code 1."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from ampbench import config, data, runplan, sandbox
+    data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, tmp_path / "prepared",
+                 tmp_path / "raw")
+    cfg = config.from_dict({**_ddp_params({"fp32": DDP_VARIANTS["fp32"]}), "mlflow": {"enabled": False}})
+    plan = runplan.make_plan(cfg, "fp32", "cpu")
+    runplan.write_plan(dataclasses.replace(plan, train=dataclasses.replace(plan.train, batch_size=31)),
+                       tmp_path / "fp32.json")
+    (tmp_path / "env.json").write_text('{"torch": "x", "cuda_runtime": null, "cpu_model": "cpu", "gpu": null}')
+    proc = subprocess.run([sys.executable, "stages/train.py", "--nproc-per-node", str(WORLD), "--plan",
+                           str(tmp_path / "fp32.json"), "--data", str(tmp_path / "prepared"), "--env",
+                           str(tmp_path / "env.json"), "--out", str(tmp_path / "out"), "--checkpoints",
+                           str(tmp_path / "ckpt"), "--params", str(tmp_path / "none.yaml")],
+                          cwd=sandbox.REPO_ROOT, env=sandbox.env_with_venv(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert re.match(r"error: rank \d: params.yaml: train.batch_size = 31 does not split into", last), last

@@ -162,3 +162,20 @@ def test_fp8_and_mxfp8_run_through_dvc_repro_on_vit_tiny(tmp_path):
     assert "fp8 (FP8)" in md.split("## ")[0] and "| fp8 | fp8 | 1 |" in md and "| mx | mxfp8 | 1 |" in md
     assert "fp8 has no loss scale" in md and "fp8 (tensorwise) runs 12 Linear layers in float8" in md
     assert "mxfp8 (mxfp8_emulated_rceil) runs 18 Linear layers in MX fp8" in md and "mxfp8 has no loss scale" in md
+
+
+def test_the_accumulation_check_of_fp8_measures_accumulation_not_fp8s_scaling(tmp_path):
+    """fp8 scales each micro-batch by its own amax: on the converted model, two micro-batches' gradients differ from
+    the full batch's by fp8's rounding, which the check used to report; it now runs on the model unconverted, where
+    they agree to fp32 rounding, as the check is meant to show."""
+    from ampbench import data
+    from ampbench.train import engine, probes
+    data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, tmp_path, tmp_path / "raw")
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "vit_tiny", "input_size": 16},
+                            "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 1},
+                            "variants": {"fp8": {"precision": "fp8", "accum_steps": 2}}})
+    trainer = engine.Trainer(runplan.make_plan(cfg, "fp8", "cpu"), data.load_prepared(tmp_path, "cpu"),
+                             progress=False)
+    assert trainer.accum_check is not None and trainer.accum_check < 1e-4
+    x, y = next(trainer.train_batches.epoch(0))
+    assert probes.accumulation_check(trainer.model, x, y, trainer.micro) > 100 * trainer.accum_check

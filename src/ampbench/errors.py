@@ -63,6 +63,9 @@ class NonFiniteTraining(AmpbenchError):
     result = None  # what the completed epochs measured, set by the engine
 
 
+RANK_ERRORS_ENV = "AMPBENCH_RANK_ERRORS"  # a folder where each rank under torchrun leaves the message it stopped with
+
+
 def run_cli(main: Callable[[], None]) -> None:
     """Run a stage's ``main``; turn a user-facing error into one line and an exit code."""
     try:
@@ -71,6 +74,10 @@ def run_cli(main: Callable[[], None]) -> None:
         under_torchrun = int(os.environ.get("WORLD_SIZE", 1)) > 1
         rank = f"rank {os.environ.get('RANK', '?')}: " if under_torchrun else ""
         print(f"error: {rank}{err}", file=sys.stderr)
+        said = os.environ.get(RANK_ERRORS_ENV)
+        if said and under_torchrun:  # the launcher says it again, last (train.distributed.torchrun)
+            with open(os.path.join(said, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
+                f.write(f"{rank}{err}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

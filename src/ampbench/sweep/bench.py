@@ -38,7 +38,7 @@ class Bench:
         x, y = next(self.batches(8).epoch(0))
         # per image: the same at any batch; None (no TFLOP/s) when the counter cannot follow the model
         self.flops_per_image = analysis("flops", models.name(cfg.model), lambda: flops.train_flops_per_image(
-            setup.flops_model(s, data["meta"], device), x, y))[0]
+            setup.plain_model(s, data["meta"], device), x, y))[0]
 
     def batches(self, batch: int) -> DeviceBatches:
         """``batch`` images drawn from the training set (with replacement when it holds fewer)."""

@@ -98,6 +98,35 @@ def init(backend: str, device_kind: str) -> World:
     return World(rank=dist.get_rank(), size=dist.get_world_size(), local_rank=w.local_rank, backend=backend)
 
 
+def torchrun(nproc: int, argv: list[str]) -> None:
+    """Run ``argv`` (a script and its arguments) in ``nproc`` processes under torchrun's elastic agent, in this
+    process (Ctrl-C and kills reach the agent as they reach torchrun). A rank that stops with ampbench's message
+    (``errors.run_cli``) ends the stage with that message said again, last, and that rank's exit code, instead of
+    torchrun's ChildFailedError traceback; a rank that dies without one is named with its exit code."""
+    import tempfile
+    from pathlib import Path
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from ampbench.errors import RANK_ERRORS_ENV
+
+    with tempfile.TemporaryDirectory(prefix="ampbench-ranks-") as said:
+        os.environ[RANK_ERRORS_ENV] = said  # the ranks inherit it
+        try:
+            run(get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), *argv]))
+        except ChildFailedError as err:
+            rank, failure = err.get_first_failure()
+            messages = sorted(Path(said).glob("rank*"))
+            code = failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
+            if messages:
+                code = next((f.exitcode for f in err.failures.values() if f.exitcode and f.exitcode > 0), code)
+            text = messages[0].read_text() if messages else \
+                f"training process {rank} ended with exit code {failure.exitcode} and no message of its own"
+            print(f"error: {text}", file=sys.stderr)
+            sys.exit(code)
+
+
 def exit_with_launcher(poll_s: float = 0.5) -> None:
     """Under torchrun, end this process when torchrun ends.
 

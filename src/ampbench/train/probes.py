@@ -20,7 +20,9 @@ def accumulation_check(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     """Max relative difference between k accumulated micro-batch gradients and one full-batch gradient.
 
     In fp32, with BatchNorm in eval mode (its batch statistics would differ by
-    design), on a copy of the model: the two must agree to rounding.
+    design), on a copy of the model: the two must agree to rounding. Pass the model
+    unconverted (``setup.plain_model``): a converting rung's scales follow each
+    micro-batch, so on its layers the check would measure that, not accumulation.
     """
     probe = copy.deepcopy(model).float().eval()
     policy = PrecisionPolicy("fp32", x.device.type, None)

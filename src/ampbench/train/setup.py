@@ -72,10 +72,12 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
                  step_model=distributed.step_model(model, world, plan), input_size=input_size)
 
 
-def flops_model(s: Setup, meta: dict, device: torch.device) -> torch.nn.Module:
-    """The model its FLOPs are counted on: the one trained, or for a rung that converts layers a fresh build left
-    unconverted (the same FLOPs; a converted model's fp8 GEMMs refuse a count's small batch: MX everywhere, CUDA's
-    fp8 where images x tokens is not a multiple of 16)."""
+def plain_model(s: Setup, meta: dict, device: torch.device) -> torch.nn.Module:
+    """The model in plain arithmetic, for the measurements around training: the one trained, or for a rung that
+    converts layers a fresh build left unconverted. Its FLOPs are the same (a converted model's fp8 GEMMs refuse a
+    count's small batch: MX everywhere, CUDA's fp8 where images x tokens is not a multiple of 16), and its gradients
+    are what the accumulation check compares (fp8 scales each micro-batch by its own amax: on a converted copy the
+    check would measure fp8's scaling, not the accumulation)."""
     if not s.policy.rung.converts:
         return s.model
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's draws unchanged
