@@ -207,7 +207,7 @@ def test_the_training_peak_is_the_steady_state_one_with_autotuning_and_evaluatio
 
 
 def test_an_epoch_whose_every_loss_was_inf_stops_instead_of_reporting_a_loss_of_zero(tiny_params, tiny_data,
-                                                                                    monkeypatch):
+                                                                                    monkeypatch, tmp_path):
     """Every step of an epoch skipped with an inf loss, fewer than amp.max_consecutive_nonfinite of them: the
     epoch's mean loss is NaN (no image counted), not 0.0, and the stop on an inf/NaN training loss fires."""
     real = step.accumulate_gradients
@@ -217,9 +217,16 @@ def test_an_epoch_whose_every_loss_was_inf_stops_instead_of_reporting_a_loss_of_
         next(model.parameters()).grad[0].fill_(float("inf"))  # the scaler skips the step
         return loss * float("inf")
     monkeypatch.setattr(step, "accumulate_gradients", inf_loss)
+    data.prepare(config.DataConfig(source="synthetic", train_size=320, test_size=32), 0, tmp_path, tmp_path / "raw")
+    long_data = data.load_prepared(tmp_path, "cpu")  # 40 steps of 8 images an epoch
     tiny_params["amp"]["max_consecutive_nonfinite"] = 100  # more than an epoch's steps: the mean must say it
     with pytest.raises(NonFiniteTraining, match="the training loss became inf/NaN"):
         runner.train(_plan(tiny_params, "amp"), tiny_data, progress=False)
+    # within an epoch, under fp16, amp.max_consecutive_nonfinite decides (here 30 of 40 steps, past the loop's
+    # 25-step check), not a window whose every loss was inf
+    tiny_params["amp"]["max_consecutive_nonfinite"] = 30
+    with pytest.raises(NonFiniteTraining, match="30 steps in a row had an inf/NaN loss"):
+        runner.train(_plan(tiny_params, "amp", batch_size=8, warmup_steps=1), long_data, progress=False)
 
 
 def test_a_trainer_is_freed_when_its_last_reference_goes(tiny_params, tiny_data):

@@ -116,15 +116,14 @@ def torchrun(nproc: int, argv: list[str]) -> None:
         try:
             run(get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), *argv]))
         except ChildFailedError as err:
-            rank, failure = err.get_first_failure()
-            messages = sorted(Path(said).glob("rank*"))
-            code = failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1
-            if messages:
-                code = next((f.exitcode for f in err.failures.values() if f.exitcode and f.exitcode > 0), code)
-            text = messages[0].read_text() if messages else \
+            said_by = {int(f.name.removeprefix("rank")): f.read_text() for f in Path(said).glob("rank*")}
+            # the lowest rank that said why it stopped, with its own exit code; else the first to fail
+            rank, failure = next(((r, f) for r, f in sorted(err.failures.items()) if r in said_by),
+                                 err.get_first_failure())
+            text = said_by.get(rank) or \
                 f"training process {rank} ended with exit code {failure.exitcode} and no message of its own"
             print(f"error: {text}", file=sys.stderr)
-            sys.exit(code)
+            sys.exit(failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1)
 
 
 def exit_with_launcher(poll_s: float = 0.5) -> None:

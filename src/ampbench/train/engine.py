@@ -188,7 +188,10 @@ class Trainer:
                     self.ledger.settle()  # gradient norms, a fused optimizer's skips: read where the loop syncs
                     mean_loss = self.mean_loss()  # a sync every 25 steps
                     bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.ledger.sched.get_last_lr()[0]:.3g}")
-                    if not math.isfinite(mean_loss):  # fp32/bf16 have no scaler to skip such steps
+                    # fp32/bf16 have no scaler to skip such steps; under fp16 the ledger stops a run at
+                    # amp.max_consecutive_nonfinite, and this only when a whole epoch had no finite loss
+                    if not math.isfinite(mean_loss) and (not self.policy.uses_scaler
+                                                         or self.step_in_epoch == self.steps_per_epoch):
                         self.fail("the training loss became inf/NaN")
             ep_images, ep_ms = self.clock.end()  # the last step's cycle ends with the loop, as the others do
         bar.close()

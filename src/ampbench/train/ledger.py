@@ -76,7 +76,8 @@ class DeviceSchedule:
         self._write()
 
     def _write(self) -> None:
-        factor = self.factors[self.taken.clamp(max=len(self.factors) - 1)]
+        # index_select, not factors[taken]: indexing by a 0-d tensor reads it on the host (a sync on CUDA)
+        factor = self.factors.index_select(0, self.taken.clamp(max=len(self.factors) - 1).view(1)).view(())
         for g, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
             g["lr"].copy_(factor * base)
 
