@@ -306,45 +306,6 @@ def test_torch_compile_under_ddp_keeps_the_ranks_in_step_with_eager_ddp(tmp_path
     assert compiled["weights"] == pytest.approx(eager["weights"], rel=1e-3, abs=1e-3)
 
 
-def test_ddp_false_and_grad_comm_reach_the_plan():
-    cfg = config.from_dict({"distributed": {"nproc_per_node": 2, "grad_comm": "bf16", "find_unused_parameters": True},
-                            "variants": {"a": {"precision": "fp16"}, "b": {"precision": "fp16", "ddp": False},
-                                         "c": {"precision": "fp16", "grad_comm": "fp16"}}})
-    plans = {n: runplan.make_plan(cfg, n, "cuda") for n in cfg.variants}
-    assert [(p.ddp, p.grad_comm, p.backend) for p in plans.values()] == [
-        (True, "bf16", "nccl"), (False, "bf16", "nccl"), (True, "fp16", "nccl")]
-    assert [p.find_unused_parameters for p in plans.values()] == [True, False, True]  # one process: no DDP flag
-    assert config.variant_world(cfg, "b") == 1 and config.variant_world(cfg, "a") == 2
-    round_trip = runplan.read_plan(_write(plans["c"]))
-    assert round_trip == plans["c"]
-
-
-def _write(plan) -> Path:
-    import tempfile
-    path = Path(tempfile.mkdtemp()) / "plan.json"
-    runplan.write_plan(plan, path)
-    return path
-
-
-GPU = {"name": "NVIDIA T4", "count": 1, "capability": "7.5", "bf16_supported": False}
-
-
-@pytest.mark.parametrize(("changes", "info", "words"), [
-    ({"nproc_per_node": 2}, {"gpu": GPU}, ["nproc_per_node = 2", "1 CUDA GPU(s)", "nproc_per_node: 1"]),
-    ({"grad_comm": "bf16"}, {"gpu": {**GPU, "bf16_supported": True}, "nccl": [2, 8, 4]}, ["NCCL 2.10", "2.8.4"]),
-    ({"grad_comm": "bf16"}, {"gpu": GPU, "nccl": [2, 21, 5]}, ["NVIDIA T4", "has none", "grad_comm: fp16"]),
-])
-def test_distributed_settings_a_gpu_machine_cannot_run_are_refused(changes, info, words):
-    from ampbench import env
-    from ampbench.errors import EnvironmentMismatch
-    cfg = config.DistributedConfig(**changes)
-    with pytest.raises(EnvironmentMismatch) as err:
-        env.check_distributed(cfg, "cuda", {"cpu_count": 16, **info}, {cfg.grad_comm})
-    for word in words:
-        assert word in str(err.value)
-    env.check_distributed(config.DistributedConfig(), "cuda", {"cpu_count": 16, **info}, {"none"})  # the defaults run
-
-
 def _agree_worker(rank: int, port: int, folder: str) -> None:
     from ampbench.errors import AmpbenchError
     world = _join(rank, port)
