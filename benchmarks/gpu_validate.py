@@ -45,6 +45,10 @@ CHECKS = {
               "the same batches streamed to the CPU, and an fp16 epoch's img/s and data-wait share beside the "
               "device-resident set's",
     "nccl_ddp": "two processes over NCCL (2+ GPUs visible): one DDP step leaves the same weights on both",
+    "fp8_gemms": "torch._scaled_mm (no torchao) on the three GEMMs of each Linear layer fp8 converts in vit_tiny, at "
+                 "15 x the least batch env_check accepts: each runs and matches its fp32 product; one more image "
+                 "than a multiple of it: CUDA refuses exactly the weight-gradient GEMMs, as env_check says "
+                 "(compute capability 8.9 and later)",
 }
 
 
@@ -204,6 +208,50 @@ def check_nccl_ddp(prepared: dict) -> dict:
         mp.spawn(_ddp_worker, args=(port, str(out)), nprocs=2, join=True)
         same = json.loads(out.read_text())
     return {"figure": same, "passed": same, "detail": "weights equal on both ranks after one DDP step"}
+
+
+def _fp8_gemm(a_shape: tuple, b_shape: tuple) -> float:
+    """One tensorwise-scaled fp8 GEMM as torchao runs it (row-major e4m3 by column-major e4m3, bf16 out): its
+    relative error against the fp32 product of the same fp8 values."""
+    a = torch.randn(a_shape, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(b_shape[::-1], device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as torch wants
+    one = torch.ones((), device="cuda")
+    out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16).float()
+    return _rel_err(out, a.float() @ b.float())
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).norm() / ref.norm())
+
+
+def check_fp8_gemms(prepared: dict) -> dict:
+    from ampbench import models, precision
+    if torch.cuda.get_device_capability() < (8, 9):
+        return {"figure": None, "passed": None, "detail": "no fp8 tensor cores (compute capability below 8.9)"}
+    fp8 = precision.rung("fp8")
+    found = fp8.census(models.build_meta(config.ModelConfig(arch="vit_tiny"), num_classes=10, image_size=32),
+                       "tensorwise", 32)  # torch alone: the layers a forward calls, each [in, out, rows per image]
+    need = fp8.images_multiple(found, "cuda")
+    figure = {"multiple": need, "layers": len(found["layers"])}
+    for batch, legal in ((15 * need, True), (15 * need + 1, False)):  # an odd multiple: a rule too lax fails
+        gemms = {}
+        for k, n, rows in found["layers"].values():
+            m = batch * rows  # forward, the input's gradient, the weight's gradient (inner dimension: the rows)
+            gemms.update({((m, k), (k, n)): False, ((m, n), (n, k)): False, ((n, m), (m, k)): True})
+        errors, refused = [], []
+        for (a, b), wgrad in gemms.items():
+            try:
+                errors.append(_fp8_gemm(a, b))
+            except RuntimeError:
+                refused.append(wgrad)
+        figure[f"batch {batch}"] = {"gemms": len(gemms), "ran": len(errors), "refused": len(refused),
+                                    "max_rel_err": max(errors, default=None)}
+        ok = (not refused and max(errors) < 2e-2) if legal else (refused and all(refused)
+                                                                 and len(refused) == sum(gemms.values()))
+        if not ok:
+            return {"figure": figure, "passed": False, "detail": f"batch {batch}: not what env_check expects"}
+    return {"figure": figure, "passed": True, "detail": f"multiples of {need} images run; others refused in the "
+                                                       "weight's gradient GEMM only"}
 
 
 def _write(out: Path, info: dict, results: dict) -> None:

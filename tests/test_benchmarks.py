@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 from ampbench.sandbox import REPO_ROOT
 
 
@@ -37,12 +39,36 @@ def test_gpu_validate_lists_its_checks_on_a_cpu_and_refuses_to_run_there():
                             capture_output=True, text=True, timeout=300)
     assert listed.returncode == 0, listed.stderr[-2000:]
     names = [line.split(":")[0] for line in listed.stdout.splitlines()]
-    assert names == ["host_syncs", "steady_peak", "gpu_busy", "largest_batch", "tf32_getters", "stream", "nccl_ddp"]
+    assert names == ["host_syncs", "steady_peak", "gpu_busy", "largest_batch", "tf32_getters", "stream", "nccl_ddp",
+                     "fp8_gemms"]
     run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_validate.py")], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode != 0 and "no CUDA GPU" in run.stderr and "Traceback" not in run.stderr
     make = subprocess.run(["make", "-n", "gpu-validate"], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert "PYTHONPATH=src python3 benchmarks/gpu_validate.py" in make.stdout and "pip" not in make.stdout
+
+
+def test_gpu_validates_fp8_check_expects_what_cudas_rules_say(monkeypatch):
+    """The fp8 GEMM check run with meta tensors in place of CUDA's (meta applies CUDA's _scaled_mm rules): it passes,
+    and it fails where the rule it checks is not the one CUDA applies."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import gpu_validate
+    finally:
+        sys.path.pop(0)
+    real_randn, real_ones = torch.randn, torch.ones
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(gpu_validate.torch, "randn", lambda *s, device=None: real_randn(*s, device="meta"))
+    monkeypatch.setattr(gpu_validate.torch, "ones", lambda *s, device=None: real_ones(*s, device="meta"))
+    monkeypatch.setattr(gpu_validate, "_rel_err", lambda out, ref: 0.0)  # a meta tensor holds no values
+    done = gpu_validate.check_fp8_gemms({})
+    assert done["passed"] is True, done
+    # vit_tiny's MLP (192 -> 768 -> 192): 4 distinct GEMMs (one layer's forward is the other's input gradient)
+    assert done["figure"]["batch 240"] == {"gemms": 4, "ran": 4, "refused": 0, "max_rel_err": 0.0}
+    assert done["figure"]["batch 241"]["refused"] == 2  # the weight's gradient GEMM of each layer
+    from ampbench.precision import linear
+    monkeypatch.setattr(linear.LinearRung, "images_multiple", lambda self, census, device: 8)  # a wrong rule
+    assert gpu_validate.check_fp8_gemms({})["passed"] is False
 
 
 def test_input_pipeline_benchmark_runs_every_feed(tmp_path):

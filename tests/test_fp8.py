@@ -22,7 +22,7 @@ from tests.test_env import CU130, _fake_gpu
 def test_a_float8_training_step_runs_on_a_cpu_and_updates_the_converted_layers():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))  # 64 -> 10: not a multiple of 16
-    policy = PrecisionPolicy("fp8", "cpu", None, "tensorwise")
+    policy = PrecisionPolicy("fp8", "cpu", None, "tensorwise", convert_ends=True)
     model = policy.prepare(model)
     converted = [n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
     assert converted == ["0"]
@@ -38,6 +38,25 @@ def test_a_float8_training_step_runs_on_a_cpu_and_updates_the_converted_layers()
     assert not torch.equal(before["0.weight"], after["0.weight"]) and not torch.equal(before["2.weight"],
                                                                                        after["2.weight"])
     assert set(after) == set(before)  # a checkpoint of the converted model has the plain model's keys
+
+
+def test_the_first_layer_and_the_classifier_head_stay_in_high_precision_unless_a_param_converts_them():
+    """torchao advises against converting the output layer; ``model.convert_ends: true`` converts both ends."""
+    def mlp():
+        return nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                             nn.Linear(64, 32))
+    for rung in ("fp8", "mxfp8"):
+        r = precision.rung(rung)
+        recipe = r.cpu_recipes[0]
+        assert r.census(mlp(), recipe, 4)["called"] == ["3"]  # 1 (first layer) and 5 (head) kept
+        assert r.census(mlp(), recipe, 4, ends=True)["called"] == (["1", "3", "5"] if rung == "fp8" else ["3", "5"])
+    fp8 = PrecisionPolicy("fp8", "cpu", None, "tensorwise")
+    kept = [n for n, m in fp8.prepare(mlp()).named_modules() if type(m).__name__ == "Float8Linear"]
+    assert kept == ["3"]
+    cfg = config.from_dict({"model": {"convert_ends": True}, "variants": {"f": {"precision": "fp8"}}})
+    plan = runplan.make_plan(cfg, "f", "cpu")
+    s = setup.build(plan, {"num_classes": 32, "image_shape": [3, 4, 4]}, torch.device("cpu"))
+    assert s.policy.convert_ends
 
 
 def test_fp8_counts_the_layers_a_forward_calls_not_the_modules_it_converts():
@@ -148,7 +167,7 @@ def test_fp8_and_mxfp8_run_through_dvc_repro_on_vit_tiny(tmp_path):
     r = repo / "reports"
     runs = {v: json.loads((r / "runs" / v / "metrics.json").read_text()) for v in params["variants"]}
     fp8, mx = runs["fp8"], runs["mx"]
-    assert fp8["precision"] == "fp8" and fp8["fp8_layers"] == 18 and fp8["fp8_recipe"] == "tensorwise"
+    assert fp8["precision"] == "fp8" and fp8["fp8_layers"] == 12 and fp8["fp8_recipe"] == "tensorwise"  # called
     assert "fp8" in fp8["profile"]["categories"]["conv/matmul"]["dtypes"]  # aten::_scaled_mm, not "other"
     assert mx["precision"] == "mxfp8" and mx["fp8_layers"] == 18 and mx["fp8_recipe"] == "mxfp8_emulated_rceil"
     assert mx["peak_precision"] == "mxfp8" and mx["nonfinite_loss_steps"] == 0 and mx["activation_bytes"] > 0

@@ -58,11 +58,11 @@ def test_mxfp8_gate_recipes_and_micro_batch_rule():
     with pytest.raises(ConfigError, match="'rowwise' is not a recipe of precision mxfp8; choose one of: mxfp8_rceil"):
         config.from_dict({"variants": {"mx": {"precision": "mxfp8", "recipe": "rowwise"}}})
     found = MX.census(_vit(), None, 32)
-    MX.check_batches(found, {"train.batch_size": 32})
+    assert MX.check_batches(found, {"train.batch_size": 32}, "cpu") == []
     with pytest.raises(ConfigError) as err:
-        MX.check_batches(found, {"train.batch_size = 64 over variants.mx.accum_steps = 4": 16})
+        MX.check_batches(found, {"train.batch_size = 64 over variants.mx.accum_steps = 4": 16}, "cpu")
     assert "16 x 65 = 1040 rows" in str(err.value) and "a multiple of 32 images" in str(err.value)
-    MX.check_batches({**found, "recipe": "mxfp8_rceil_wgrad_with_hp"}, {"train.batch_size": 16})  # no row rule
+    assert MX.check_batches({**found, "recipe": "mxfp8_rceil_wgrad_with_hp"}, {"train.batch_size": 16}, "cpu") == []
     with pytest.raises(ConfigError, match=r"'mxfp8_rceil' \(the default\) cannot run on a CPU"):
         MX.check("mx", None, "cpu")
     from ampbench import cli  # the CPU demo's ladder: every rung a CPU runs at its batch, not mxfp8

@@ -86,7 +86,7 @@ def test_the_cuda_search_labels_what_it_found(monkeypatch):
                 raise torch.AcceleratorError("CUDA error: unspecified launch failure")
             if limit and batch > limit:
                 raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-        return SimpleNamespace(precision="fp16", try_step=try_step, free=lambda: None)
+        return SimpleNamespace(precision="fp16", try_step=try_step, free=lambda: None, multiple=1)
 
     found = sweep.search_max(bench(limit=3000), 256, 2**34, "limit")
     assert (found["largest_batch"], found["method"]) == (3000, "measured") and "cuDNN autotuning on" in found["how"]
@@ -95,6 +95,30 @@ def test_the_cuda_search_labels_what_it_found(monkeypatch):
     stopped = sweep.search_max(bench(broken_at=2048), 256, 2**34, "limit")
     assert (stopped["largest_batch"], stopped["method"]) == (1024, "stopped")
     assert "unspecified launch failure" in stopped["how"]
+
+
+def test_the_search_for_a_rung_with_a_micro_batch_rule_tries_only_batches_it_can_run():
+    """fp8 on vit_tiny (65 tokens) runs only micro-batches of 16k images on CUDA: a try at another batch raises what
+    CUDA's _scaled_mm raises, which is no out-of-memory; the search stays on multiples and finds the largest."""
+    from types import SimpleNamespace
+
+    tried = []
+
+    def try_step(batch):
+        tried.append(batch)
+        if batch % 16:
+            raise RuntimeError("Expected trailing dimension of mat1 to be divisible by 16 but got mat1 shape: (192x520)")
+        if batch > 3000:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    bench = SimpleNamespace(precision="fp8", try_step=try_step, free=lambda: None, multiple=16)
+    found = sweep.search_max(bench, 256, 2**34, "limit")
+    assert (found["largest_batch"], found["method"]) == (2992, "measured") and found["tries"] == tried
+    assert all(b % 16 == 0 for b in tried) and "in multiples of 16 images" in found["how"]
+    broken = SimpleNamespace(precision="fp8", try_step=lambda b: (_ for _ in ()).throw(
+        torch.AcceleratorError("CUDA error: unspecified launch failure")) if b >= 2048 else None,
+        free=lambda: None, multiple=16)
+    assert sweep.search_max(broken, 256, 2**34, "limit")["largest_batch"] == 1024  # in images, not units
 
 
 def _stage(repo, *extra, package=None):

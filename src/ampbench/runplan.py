@@ -100,15 +100,17 @@ def recipe(cfg: Config, precision: str) -> str | None:
 
 
 def write_plan(plan: RunPlan, path: Path) -> None:
-    """The plan as JSON; ``recipe`` only in a plan of a rung with recipes and the data placement only when it
-    streams, so the other plans' files (train-stage deps) stay as they were before these existed and their stages
-    do not rerun."""
+    """The plan as JSON; ``recipe`` only in a plan of a rung with recipes, the data placement only when it
+    streams and ``model.convert_ends`` only when set, so the other plans' files (train-stage deps) stay as they
+    were before these existed and their stages do not rerun."""
     path.parent.mkdir(parents=True, exist_ok=True)
     d = to_dict(plan)
     if d["recipe"] is None:
         del d["recipe"]
     if d["placement"] == "device":
         del d["placement"], d["workers"]
+    if not d["model"]["convert_ends"]:
+        del d["model"]["convert_ends"]
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 

@@ -55,6 +55,7 @@ class ModelConfig:
     factory: str = ""             # "package.module:function": returns your nn.Module given num_classes; wins over arch
     input_size: int = _opt(0, lo=0)  # side of the images fed to the model, resized on the device (0 = the data's)
     channels_last: bool = True    # NHWC memory layout, which tensor-core convolutions prefer
+    convert_ends: bool = False    # fp8, mxfp8: convert the first layer and classifier head too (torchao advises not)
 
 
 @dataclass(frozen=True)

@@ -81,11 +81,11 @@ def census(cfg: config.Config, device: str, image_size: int, num_classes: int) -
     for p in used:
         rung = precision.rung(p)
         counted, why = analysis("fp8_census", models.name(cfg.model), rung.census, model, runplan.recipe(cfg, p),
-                                image_size)
+                                image_size, cfg.model.convert_ends)
         if counted is None:  # training converts the model itself; the report says what could not be counted
             found[p] = {"error": why}
             continue
-        rung.check_batches(counted, micro_batches(cfg, p))
+        warnings += rung.check_batches(counted, micro_batches(cfg, p), device)
         warnings += rung.warnings(counted, cfg.train.compile, device, models.name(cfg.model))
         found[p] = counted
     return found, warnings

@@ -174,7 +174,7 @@ def _called_from(files: tuple[str, ...]) -> bool:
 
 
 def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
-          make_optimizer, recipe: str | None = None) -> list[Op]:
+          make_optimizer, recipe: str | None = None, ends: bool = False) -> list[Op]:
     """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors.
 
     ``model`` is prepared as the precision trains it (fp8: torchao converts its eligible Linear layers, whose
@@ -185,8 +185,8 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     from ampbench.precision import rung
 
     rung = rung(precision)
-    block_fp8 = rung.converted_gemms(model, recipe)
-    model = rung.roofline_model(model, recipe).to("meta")
+    block_fp8 = rung.converted_gemms(model, recipe, ends)
+    model = rung.roofline_model(model, recipe, ends).to("meta")
     x, y = x.to("meta"), y.to("meta")
     opt = make_optimizer(model.parameters())
     low = getattr(torch, rung.autocast) if rung.autocast else None
@@ -241,6 +241,6 @@ def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[
     y = torch.empty(batch, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: make_optimizer(params, cfg.train),
-                    runplan.recipe(cfg, p)) for p in precisions}
+                    runplan.recipe(cfg, p), cfg.model.convert_ends) for p in precisions}
     return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
             "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}

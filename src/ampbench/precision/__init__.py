@@ -55,17 +55,15 @@ class Rung:
     scaling_files: tuple[str, ...] = ()  # source files whose ops torch.compile fuses into its casts (the roofline)
 
     # --- what a family may override -------------------------------------------------------------------------
-    def prepare(self, model, recipe: str | None = None):
-        """The model as this rung trains it (in place): a converting family swaps its layers."""
+    def prepare(self, model, recipe: str | None = None, ends: bool = False):
+        """The model as this rung trains it (in place): a converting family swaps its layers (``ends``: the
+        model's first layer and classifier head too, which it leaves in high precision by default)."""
         return model
 
-    def census(self, model, recipe: str | None, image_size: int) -> dict | None:
-        """What the conversion changes in ``model`` (a meta copy is converted); None for a rung that converts
-        nothing."""
-        return None
-
-    def converted(self, model) -> int | None:
-        """How many layers of a prepared model run converted; None for a rung that converts nothing."""
+    def census(self, model, recipe: str | None, image_size: int, ends: bool = False) -> dict | None:
+        """What the conversion changes in ``model`` (on a meta copy): ``{"recipe", "converted", "called", ...}``,
+        ``called`` the converted layers a forward pass runs converted (what a run's metrics count); None for a rung
+        that converts nothing."""
         return None
 
     def runs_on(self, row: dict) -> bool:
@@ -82,11 +80,11 @@ class Rung:
             return low
         return "tf32" if self.tf32 and row.get("tf32") else "fp32"
 
-    def roofline_model(self, model, recipe: str | None):
+    def roofline_model(self, model, recipe: str | None, ends: bool = False):
         """The model the roofline counts (on meta tensors): prepared as training prepares it."""
-        return self.prepare(model, recipe)
+        return self.prepare(model, recipe, ends)
 
-    def converted_gemms(self, model, recipe: str | None):
+    def converted_gemms(self, model, recipe: str | None, ends: bool = False):
         """For a rung the roofline counts unconverted: a function of a GEMM's two operand shapes that says whether
         the conversion runs it in fp8 (in blocks: the operands cast to fp8 with a scale per 32 values); None."""
         return None
@@ -94,8 +92,14 @@ class Rung:
     def check(self, variant: str, recipe: str | None, device: str) -> None:
         """A ConfigError if this rung cannot run ``recipe`` on ``device`` (before anything is written)."""
 
-    def check_batches(self, census: dict, batches: dict[str, int]) -> None:
-        """A ConfigError if a micro-batch (``batches``: where params.yaml sets it -> images) cannot run converted."""
+    def images_multiple(self, census: dict, device: str) -> int:
+        """The least number of images a micro-batch of a converted model must be a multiple of on ``device``."""
+        return 1
+
+    def check_batches(self, census: dict, batches: dict[str, int], device: str) -> list[str]:
+        """A ConfigError if a micro-batch (``batches``: where params.yaml sets it -> images) cannot run converted on
+        ``device``; what to warn of where it runs here but would not on a GPU."""
+        return []
 
     def warnings(self, census: dict, compiled: bool, device: str, model_name: str) -> list[str]:
         """What to tell a user about this rung on this model and device, before training."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ampbench.errors import ConfigError
-from ampbench.precision.linear import LinearRung, layer_count
+from ampbench.precision.linear import LinearRung, keeps, layer_count
 
 MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each fp8 GEMM to be multiples of 16
 SMALL_GEMM = 2048  # below this on every side, fp8's scaling and casts outweigh its faster GEMM (torchao's benchmark)
@@ -27,11 +27,12 @@ def eligible(module, fqn: str = "") -> bool:
         and module.out_features % MULTIPLE == 0
 
 
-def convert(model, recipe: str):
-    """torchao's float8 training on ``model``'s eligible Linear layers, in place, with ``recipe``."""
+def convert(model, recipe: str, ends: bool = False):
+    """torchao's float8 training on ``model``'s eligible Linear layers (less its ends, unless ``ends``), in place,
+    with ``recipe``."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                                      module_filter_fn=eligible)
+                                      module_filter_fn=keeps(model, eligible, ends))
 
 
 def _converted_layers(model) -> list:
@@ -39,57 +40,60 @@ def _converted_layers(model) -> list:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
-def layers(model, recipe: str, image_size: int) -> dict:
-    """What fp8 converts in ``model`` (a copy is converted), counted by forward hooks on the layers a forward
-    pass actually calls (a converted layer whose weight its parent uses directly, as torchvision's attention does
-    with ``out_proj``, is not called and stays in bf16): the layers, their share of the model's forward FLOPs,
-    and the widest of them."""
+def layers(model, recipe: str, image_size: int, ends: bool = False) -> dict:
+    """What fp8 converts in ``model``, found on an unconverted meta copy (no fp8 op run, no torchao needed): the
+    layers its filter takes, and of those the ones a forward pass calls, by forward hooks (a converted layer whose
+    weight its parent uses directly, as torchvision's attention does with ``out_proj``, is not called and stays in
+    bf16); their share of the model's forward FLOPs, the widest, each one's [in, out, rows per image] (tokens:
+    the micro-batch rule) and the distinct rows per image."""
     import copy
 
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     if any(not p.is_meta for p in model.parameters()):  # shapes only: no weights copied, however large the model
         model = copy.deepcopy(model).to("meta")
-    x = torch.zeros(2, 3, image_size, image_size, device="meta")
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        copy.deepcopy(model).train()(x)
-    total = counter.get_total_flops()
-    converted = convert(copy.deepcopy(model), recipe)
+    take = keeps(model, eligible, ends)
+    chosen = [(name, m) for name, m in model.named_modules() if take(m, name)]
     called: dict[str, float] = {}
     shapes: dict[str, list[int]] = {}
     handles = []
-    for name, m in _converted_layers(converted):
+    for name, m in chosen:
         def hook(mod, inp, out, name=name):
             rows = inp[0].numel() // mod.in_features
             called[name] = called.get(name, 0.0) + 2.0 * rows * mod.in_features * mod.out_features
-            shapes[name] = [mod.in_features, mod.out_features]
+            shapes[name] = [mod.in_features, mod.out_features, rows // 2]  # per image of the batch of 2 below
         handles.append(m.register_forward_hook(hook))
-    with torch.no_grad():
-        converted.train()(x)
-    for h in handles:
-        h.remove()
-    widest = max(shapes.values(), key=lambda s: s[0] * s[1]) if shapes else None
-    return {"recipe": recipe, "converted": len(handles), "called": sorted(called),
-            "flop_share": sum(called.values()) / total if total else 0.0, "widest": widest}
+    x = torch.zeros(2, 3, image_size, image_size, device="meta")
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter, torch.no_grad():
+            model.train()(x)
+    finally:
+        for h in handles:
+            h.remove()
+    total = counter.get_total_flops()
+    widest = max(shapes.values(), key=lambda s: s[0] * s[1])[:2] if shapes else None
+    return {"recipe": recipe, "converted": len(chosen), "called": sorted(called),
+            "flop_share": sum(called.values()) / total if total else 0.0, "widest": widest,
+            "layers": dict(sorted(shapes.items())), "rows_per_image": sorted({s[2] for s in shapes.values()})}
 
 
 @dataclass(frozen=True)
 class Float8(LinearRung):
-    def prepare(self, model, recipe: str | None = None):
-        return convert(model, recipe or self.default_recipe)
+    def prepare(self, model, recipe: str | None = None, ends: bool = False):
+        return convert(model, recipe or self.default_recipe, ends)
 
-    def census(self, model, recipe: str | None, image_size: int) -> dict:
-        return layers(model, recipe or self.default_recipe, image_size)
+    def census(self, model, recipe: str | None, image_size: int, ends: bool = False) -> dict:
+        return layers(model, recipe or self.default_recipe, image_size, ends)
 
-    def converted(self, model) -> int:
-        return len(_converted_layers(model))
+    def wgrad_low(self, recipe: str | None) -> bool:
+        return (recipe or self.default_recipe) != "rowwise_with_gw_hp"  # its weight's gradient GEMM runs in bf16
 
-    def roofline_model(self, model, recipe: str | None):
+    def roofline_model(self, model, recipe: str | None, ends: bool = False):
         """Converted as training converts it; under CUDA autocast a Float8Linear first casts its input to
         autocast's dtype, which the counter (playing autocast on meta tensors) does for it."""
         import torch
-        model = self.prepare(model, recipe)
+        model = self.prepare(model, recipe, ends)
         low = getattr(torch, self.autocast)
         for _, m in _converted_layers(model):
             m.register_forward_pre_hook(lambda mod, args: (args[0].to(low), *args[1:]))

@@ -1,11 +1,35 @@
-"""What the rungs that convert a model's Linear layers (fp8, mxfp8) share: the census's words, the rule that a
-run converting nothing ran in bf16, and that a GPU without the rung's tensor cores cannot run it at all."""
+"""What the rungs that convert a model's Linear layers (fp8, mxfp8) share: which layers they leave in high precision
+(the model's first layer and its classifier head, as torchao advises), the census's words, the rule that a run
+converting nothing ran in bf16, that a GPU without the rung's tensor cores cannot run it at all, and the rule on a
+micro-batch's rows: the weight's gradient GEMM, ``grad_output.t() @ input``, multiplies over the micro-batch's rows
+(images x tokens), and a low-precision GEMM needs that inner dimension to be a multiple of the rung's ``multiple``
+(CUDA's ``torch._scaled_mm``: 16; MX's blocks: 32)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from ampbench.errors import ConfigError
 from ampbench.precision import Rung
+
+
+def end_names(model) -> set[str]:
+    """The names of the model's ends, which a converting rung leaves in high precision unless ``model.convert_ends``
+    says otherwise (torchao advises against converting the output layer): its first layer (the first module with
+    parameters of its own, when it is a Linear) and its classifier head (the last Linear it registers)."""
+    from torch import nn
+    owning = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    out = {owning[0][0]} if owning and isinstance(owning[0][1], nn.Linear) else set()
+    linears = [n for n, m in owning if isinstance(m, nn.Linear)]
+    return out | set(linears[-1:])
+
+
+def keeps(model, eligible, ends: bool):
+    """The filter a conversion applies, ``(module, fqn) -> bool``: ``eligible`` layers, less the model's ends
+    unless ``ends`` (convert them too)."""
+    kept = set() if ends else end_names(model)
+    return lambda module, fqn="": eligible(module) and fqn not in kept
 
 
 def layer_count(n) -> str:
@@ -17,10 +41,41 @@ class LinearRung(Rung):
     """A rung whose eligible Linear layers (both dimensions multiples of ``multiple``) run in a low format."""
 
     multiple: int = 16
+    rows_rule_on_cpu: bool = False        # a CPU applies the micro-batch rows rule too (MX's emulation asserts it)
+    rows_why: str = "CUDA's fp8 GEMM (torch._scaled_mm) takes inner dimensions that are multiples of 16 only"
     format_name: str = "float8"           # what the converted GEMMs run in, as the report says it
     reach: str = "it calls"               # which Linear layers count: those a forward calls, or whose weight it uses
     format_how: str = ""                  # the format's words in the report, after its name
     census_how: str = ""                  # how the census found the layers, for the report
+
+    def wgrad_low(self, recipe: str | None) -> bool:
+        """Whether ``recipe`` runs the weight's gradient GEMM in the low format (then the rows rule holds)."""
+        return True
+
+    def images_multiple(self, census: dict, device: str) -> int:
+        """The least number of images whose micro-batch every converted layer's GEMMs take on ``device``: the
+        rows (images x tokens) of the weight's gradient GEMM must be a multiple of ``multiple``."""
+        if (device == "cpu" and not self.rows_rule_on_cpu) or not self.wgrad_low(census.get("recipe")):
+            return 1
+        return math.lcm(1, *(self.multiple // math.gcd(self.multiple, r) for r in census.get("rows_per_image") or []))
+
+    def check_batches(self, census: dict, batches: dict[str, int], device: str) -> list[str]:
+        """Refuse a micro-batch (``batches``: where params.yaml sets it -> images) whose rows in a converted layer
+        break the rule on ``device``; on a CPU that does not apply it, say what a GPU would refuse."""
+        need = self.images_multiple(census, "cuda")
+        out = []
+        for where, batch in batches.items():
+            if batch % need == 0:
+                continue
+            r = next(r for r in census["rows_per_image"] if (batch * r) % self.multiple)
+            said = (f"params.yaml: {where} gives {self.name} micro-batches of {batch} images, {batch} x {r} = "
+                    f"{batch * r} rows in a converted layer; {self.rows_why}, so the rows must be a multiple of "
+                    f"{self.multiple}")
+            if self.images_multiple(census, device) > 1:
+                raise ConfigError(f"{said}: make that micro-batch a multiple of {need} images")
+            out.append(f"{said} on a GPU, which would refuse it (a CPU runs it): make it a multiple of {need} images "
+                       "before you run this on a GPU")
+        return out
 
     def measured_column(self, converted: int | None) -> str:
         return self.datasheet if converted else "bf16"  # a run that converted nothing ran in bf16

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ampbench.errors import ConfigError
-from ampbench.precision.linear import LinearRung, layer_count
+from ampbench.precision.linear import LinearRung, keeps, layer_count
 
 BLOCK = 32  # values per shared scale; every dimension of every MX GEMM is a multiple of it
 EMULATED = "mxfp8_emulated_rceil"
@@ -31,11 +31,13 @@ def eligible(module, fqn: str = "") -> bool:
     return isinstance(module, nn.Linear) and module.in_features % BLOCK == 0 and module.out_features % BLOCK == 0
 
 
-def convert(model, recipe: str):
-    """torchao's MX training on ``model``'s eligible Linear layers, in place, with ``recipe``."""
+def convert(model, recipe: str, ends: bool = False):
+    """torchao's MX training on ``model``'s eligible Linear layers (less its ends, unless ``ends``), in place, with
+    ``recipe``."""
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
     from torchao.quantization import quantize_
-    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe)), filter_fn=eligible)
+    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe)),
+              filter_fn=keeps(model, eligible, ends))
     return model
 
 
@@ -43,12 +45,7 @@ def _wgrad_in_bf16(recipe: str) -> bool:
     return recipe.endswith("_wgrad_with_hp")  # the weight's gradient GEMM in high precision (bf16)
 
 
-def _wrapped(module) -> bool:
-    w = getattr(module, "weight", None)
-    return w is not None and type(w.data).__name__ == "MXFP8TrainingWeightWrapperTensor"
-
-
-def layers(model, recipe: str, image_size: int) -> dict:
+def layers(model, recipe: str, image_size: int, ends: bool = False) -> dict:
     """What MX converts in ``model``, found on an unconverted meta copy (the same layers, with no MX op run): the
     eligible Linear layers whose weight a forward pass multiplies by (through the layer or through its parent),
     their share of the forward FLOPs, the widest, and the rows per image of each (tokens: the micro-batch rule)."""
@@ -61,7 +58,8 @@ def layers(model, recipe: str, image_size: int) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     model = copy.deepcopy(model).to("meta") if any(not p.is_meta for p in model.parameters()) else model
-    weights = {id(m.weight): (name, m) for name, m in model.named_modules() if eligible(m)}
+    take = keeps(model, eligible, ends)
+    weights = {id(m.weight): (name, m) for name, m in model.named_modules() if take(m, name)}
     called: dict[str, float] = {}
     rows: dict[str, int] = {}
 
@@ -100,36 +98,37 @@ def layers(model, recipe: str, image_size: int) -> dict:
     with counter, Linears(), torch.no_grad():
         model.train()(x)
     total = counter.get_total_flops()
-    shapes = {name: [m.in_features, m.out_features] for name, m in weights.values() if name in called}
-    widest = max(shapes.values(), key=lambda s: s[0] * s[1]) if shapes else None
+    shapes = {name: [m.in_features, m.out_features, rows[name]] for name, m in weights.values() if name in called}
+    widest = max(shapes.values(), key=lambda s: s[0] * s[1])[:2] if shapes else None
     return {"recipe": recipe, "converted": len(weights), "called": sorted(called),
             "flop_share": sum(called.values()) / total if total else 0.0, "widest": widest,
-            "rows_per_image": sorted(set(rows.values()))}
+            "layers": dict(sorted(shapes.items())), "rows_per_image": sorted(set(rows.values()))}
 
 
 @dataclass(frozen=True)
 class MXFP8(LinearRung):
-    def prepare(self, model, recipe: str | None = None):
-        return convert(model, recipe or self.default_recipe)
+    def prepare(self, model, recipe: str | None = None, ends: bool = False):
+        return convert(model, recipe or self.default_recipe, ends)
 
-    def census(self, model, recipe: str | None, image_size: int) -> dict:
-        return layers(model, recipe or self.default_recipe, image_size)
+    def census(self, model, recipe: str | None, image_size: int, ends: bool = False) -> dict:
+        return layers(model, recipe or self.default_recipe, image_size, ends)
 
-    def converted(self, model) -> int:
-        return sum(_wrapped(m) for m in model.modules())
+    def wgrad_low(self, recipe: str | None) -> bool:
+        return not _wgrad_in_bf16(recipe or self.default_recipe)
 
     def peak_column(self, op_dtype: str, row: dict) -> str | None:
         return self.datasheet if op_dtype.startswith("float8") else super().peak_column(op_dtype, row)
 
-    def roofline_model(self, model, recipe: str | None):
+    def roofline_model(self, model, recipe: str | None, ends: bool = False):
         return model  # counted unconverted (MX ops do not run on meta tensors); its GEMMs found by shape below
 
-    def converted_gemms(self, model, recipe: str | None):
+    def converted_gemms(self, model, recipe: str | None, ends: bool = False):
         """Whether a GEMM (its two operands' shapes) is one of a converted layer's: the forward (rows x in)
         @ (in x out), the input's gradient (rows x out) @ (out x in), and, unless the recipe keeps it in bf16, the
         weight's (out x rows) @ (rows x in). By shapes: an unconverted GEMM of the same dimensions (an attention's
         packed projection whose width equals a converted layer's) would be counted as converted too."""
-        pairs = {tuple(sorted((m.in_features, m.out_features))) for m in model.modules() if eligible(m)}
+        take = keeps(model, eligible, ends)
+        pairs = {tuple(sorted((m.in_features, m.out_features))) for n, m in model.named_modules() if take(m, n)}
         wgrad = not _wgrad_in_bf16(recipe or self.default_recipe)
 
         def is_mx(a: tuple, b: tuple) -> bool:
@@ -158,20 +157,6 @@ class MXFP8(LinearRung):
             raise ConfigError(f"params.yaml: variants.{variant}.recipe = {said} cannot run on a CPU (torchao's "
                               f"MX kernels need a GPU); use {' or '.join(self.cpu_recipes)} here, or run on a B200")
 
-    def check_batches(self, census: dict, batches: dict[str, int]) -> None:
-        """Refuse a micro-batch whose rows (images x tokens) are not a multiple of 32 in a converted layer: the weight's
-        gradient GEMM scales blocks along the rows (a recipe that keeps that GEMM in bf16 has no such rule)."""
-        per_image = [] if _wgrad_in_bf16(census.get("recipe") or "") else census.get("rows_per_image") or []
-        for where, batch in batches.items():
-            bad = [r for r in per_image if (batch * r) % BLOCK]
-            if bad:
-                import math
-                need = max(BLOCK // math.gcd(BLOCK, r) for r in per_image)
-                raise ConfigError(
-                    f"params.yaml: {where} gives {self.name} micro-batches of {batch} images, {batch} x {bad[0]} = "
-                    f"{batch * bad[0]} rows in a converted layer; MX scales blocks of {BLOCK}, so the rows must be a "
-                    f"multiple of {BLOCK}: make that micro-batch a multiple of {need} images")
-
     def warnings(self, census: dict, compiled: bool, device: str, model_name: str) -> list[str]:
         out = [] if census["called"] else [self.no_layer(model_name)]
         if device == "cpu":
@@ -190,6 +175,7 @@ RUNGS = [
     MXFP8("mxfp8", "MXFP8", autocast="bfloat16", datasheet="mxfp8",
           recipes=("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", EMULATED), cpu_recipes=(EMULATED,),
           emulated_on_cpu=True, always_counted=False, in_ladder=False, multiple=BLOCK, format_name="MX fp8",
+          rows_rule_on_cpu=True, rows_why=f"MX scales blocks of {BLOCK} values along them",
           reach="it multiplies by",
           format_how=f" (e4m3 in blocks of {BLOCK} with a shared power-of-two scale, in all three GEMMs)"),
 ]

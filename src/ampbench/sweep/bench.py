@@ -36,9 +36,12 @@ class Bench:
             x, y = x[keep], y[keep]
         self.pool = x, y
         x, y = next(self.batches(8).epoch(0))
+        plain = setup.plain_model(s, data["meta"], device)
         # per image: the same at any batch; None (no TFLOP/s) when the counter cannot follow the model
-        self.flops_per_image = analysis("flops", models.name(cfg.model), lambda: flops.train_flops_per_image(
-            setup.plain_model(s, data["meta"], device), x, y))[0]
+        self.flops_per_image = analysis("flops", models.name(cfg.model), flops.train_flops_per_image, plain, x, y)[0]
+        # the images every batch tried is a multiple of: a converting rung's micro-batch rule on this device
+        found = self.policy.census(plain, s.input_size) if self.policy.rung.converts else None
+        self.multiple = self.policy.rung.images_multiple(found, device.type) if found else 1
 
     def batches(self, batch: int) -> DeviceBatches:
         """``batch`` images drawn from the training set (with replacement when it holds fewer)."""

@@ -70,9 +70,19 @@ def fits(attempt: Callable[[int], object], free: Callable[[], None],
     return check
 
 
-def largest_batch(fit: Callable[[int], bool], start: int, ceiling: int = 1 << 20) -> tuple[int, list[int], bool]:
-    """The largest batch for which ``fit`` holds: doubling from ``start``, then bisection; (batch, tries, whether
-    the search stopped at ``ceiling`` with the batch still fitting: then the batch is a lower bound)."""
+def largest_batch(fit: Callable[[int], bool], start: int, ceiling: int = 1 << 20,
+                  multiple: int = 1) -> tuple[int, list[int], bool]:
+    """The largest batch for which ``fit`` holds, among multiples of ``multiple`` (a batch a converting rung can
+    run): doubling from ``start``, then bisection; (batch, tries, whether the search stopped at ``ceiling`` with the
+    batch still fitting: then the batch is a lower bound)."""
+    if multiple > 1:  # the same search over units of ``multiple`` images
+        try:
+            found, tries, capped = largest_batch(lambda u: fit(u * multiple), max(1, start // multiple),
+                                                 max(1, ceiling // multiple))
+        except SearchStopped as stop:
+            stop.found *= multiple
+            raise
+        return found * multiple, [t * multiple for t in tries], capped
     tries: list[int] = []
     best = 0
 
@@ -127,9 +137,12 @@ def search_max(bench: Bench, start: int, limit: int, what: str, ceiling: int = 1
     notes: list[str] = []
     how = ("doubling, then bisection, one optimizer step per try with cuDNN autotuning on (as training runs), "
            "until torch.cuda.OutOfMemoryError")
+    if bench.multiple > 1:
+        how += f", in multiples of {bench.multiple} images (the micro-batches {bench.precision} can run on this model)"
     out = {"precision": bench.precision, "limit_bytes": limit, "limit": what, "notes": notes}
     try:
-        largest, tries, capped = largest_batch(fits(bench.try_step, bench.free, notes), start, ceiling)
+        largest, tries, capped = largest_batch(fits(bench.try_step, bench.free, notes), start, ceiling,
+                                               bench.multiple)
     except SearchStopped as stop:
         return {**out, "largest_batch": stop.found or None, "method": "stopped", "tries": [],
                 "how": f"the search stopped at batch {stop.batch} on a CUDA error that leaves the process "
@@ -155,6 +168,7 @@ def find_max(bench: Bench, points: list[dict], cfg: Config, dataset_bytes: int) 
     per_image = (a2 - a1) / (b2 - b1) if b2 != b1 else a2 / b2
     fixed = bench.fixed_bytes() + dataset_bytes
     largest = int((limit - fixed) // per_image) if per_image > 0 and limit > fixed else 0
+    largest -= largest % bench.multiple  # a batch the rung can run
     return {"precision": bench.precision, "largest_batch": largest, "method": "estimate",
             "how": "(limit - parameters, gradients, optimizer state and data set) / activation bytes per image, "
                    f"from the swept batches {b1} and {b2}",

@@ -37,8 +37,9 @@ def _timed(fn, *args, **kwargs):
     return out, time.perf_counter() - t0
 
 
-def _step(cfg: config.Config, precision: str, size: int, num_classes: int, device: torch.device) -> dict:
-    """One optimizer step of ``precision`` at ``STEP_BATCH`` images of size x size: its loss and time."""
+def _step(cfg: config.Config, precision: str, size: int, num_classes: int, device: torch.device,
+          batch: int = STEP_BATCH) -> dict:
+    """One optimizer step of ``precision`` at ``batch`` images of size x size: its loss and time."""
     plan = runplan.for_precision(cfg, precision, device.type)
     note = ""
     r = rung(precision)
@@ -48,12 +49,12 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
     meta = {"image_shape": [3, size, size], "num_classes": num_classes, "mean": [0.5] * 3, "std": [0.25] * 3}
     s = setup.build(plan, meta, device)
     g = torch.Generator().manual_seed(cfg.seed)
-    x = torch.randn(STEP_BATCH, 3, size, size, generator=g).to(device)
-    y = torch.randint(0, num_classes, (STEP_BATCH,), generator=g).to(device)
+    x = torch.randn(batch, 3, size, size, generator=g).to(device)
+    y = torch.randint(0, num_classes, (batch,), generator=g).to(device)
     if cfg.model.channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     t0 = time.perf_counter()
-    loss = float(step.train_step(s.step_model, s.opt, s.scaler, s.policy, x, y, STEP_BATCH,
+    loss = float(step.train_step(s.step_model, s.opt, s.scaler, s.policy, x, y, batch,
                                  clip=cfg.train.clip_grad_norm))
     seconds = time.perf_counter() - t0
     # a CPU has no fp16 or fp8 tensor cores: autocast to fp16 and torchao's fp8 GEMMs run emulated there
@@ -124,9 +125,11 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
     except Exception as err:  # an analysis: the model still trains without it
         row("roofline", None, f"not counted: {first_line(err)}")
 
+    batches = {}  # a converting rung's step batch: the least multiple of STEP_BATCH its micro-batch rule takes here
     for name_ in converting(names()):  # what each converting rung converts in this model
         try:
-            found = rung(name_).census(model, runplan.recipe(cfg, name_), size)
+            found = rung(name_).census(model, runplan.recipe(cfg, name_), size, cfg.model.convert_ends)
+            batches[name_] = math.lcm(STEP_BATCH, rung(name_).images_multiple(found, dev.type))
             row(f"{name_} converts", None, (
                 f"{len(found['called'])} Linear layer(s), {found['flop_share']:.0%} of the forward FLOPs"
                 if found["called"] else f"no layer: an {name_} variant would measure bf16"),
@@ -144,14 +147,15 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
             row(check, None, f"not stepped: fp32's step took {fp32_s:.0f} s, over the {step_budget_s:g} s budget")
             continue
         try:
-            done, total_s = _timed(_step, cfg, precision, size, num_classes, dev)
+            batch = batches.get(precision, STEP_BATCH)
+            done, total_s = _timed(_step, cfg, precision, size, num_classes, dev, batch)
         except Exception as err:  # what a user's training would hit: the reason, in one line
             row(check, False, first_line(err))
             continue
         if precision == BASELINE:
             fp32_s = done["s"]
         row(check, True, f"{done['note']}loss {done['loss']:.3f}, step {done['s']:.2f} s (with setup "
-                         f"{total_s:.1f} s), batch {STEP_BATCH} at {size}x{size} on {dev.type}; {done['activations']}",
+                         f"{total_s:.1f} s), batch {batch} at {size}x{size} on {dev.type}; {done['activations']}",
             s=done["s"], activation_bytes=done["activation_bytes"])
     out["ok"] = all(r["ok"] is not False for r in rows)
     return out

@@ -103,13 +103,17 @@ class Trainer:
         x, y = next(self.train_batches.epoch(0))
         # analyses before training (FLOPs per image: 8 suffice): one that fails is said, never fatal
         self.not_made: dict[str, str] = {}  # analysis -> why it could not be made
+        plain = setup.plain_model(s, data["meta"], device)  # the model in plain arithmetic (fp8: unconverted)
         self.accum_check = self.analysis(  # on the model in plain arithmetic: what accumulation does, not fp8
-            "accumulation", lambda: probes.accumulation_check(setup.plain_model(s, data["meta"], device), x, y,
-                                                              self.micro)) if plan.accum_steps > 1 else None
+            "accumulation", probes.accumulation_check, plain, x, y, self.micro) if plan.accum_steps > 1 else None
         self.activation_bytes = self.analysis("activations", probes.activation_bytes, self.model, x[:self.micro],
                                               self.policy)
-        self.flops_per_image = self.analysis(
-            "flops", lambda: flops.train_flops_per_image(setup.plain_model(s, data["meta"], device), x[:8], y[:8]))
+        self.flops_per_image = self.analysis("flops", flops.train_flops_per_image, plain, x[:8], y[:8])
+        # a converting rung's layers that a forward runs converted (its census of the unconverted model)
+        found = self.analysis("fp8_census", self.policy.census, plain, s.input_size) if s.policy.rung.converts \
+            else None
+        self.layers_converted = len(found["called"]) if found else None
+        del plain
         self.step_model = s.step_model
         memory.reset_peak_memory(device)  # before training: what the probes left is not training's
         # CUDA peaks by phase: steady-state training steps (from each process's second step, after cuDNN has

@@ -62,7 +62,7 @@ def run_result(t) -> RunResult:
     ips = timed_images / (total_e2e / 1000) if total_e2e else None  # StepClock.imgs_per_s, the slowest rank's time
     rates = c.step_rates()
     rung = precision.rung(plan.precision)
-    fp8_layers = rung.converted(t.model)  # layers a converting rung converted (None for the others)
+    fp8_layers = t.layers_converted  # the converted layers a forward runs converted (None for the others)
     peak_prec = rung.measured_column(fp8_layers)  # an fp8 run that converted nothing ran in bf16: bf16's peak
     peak = flops.datasheet_peak(device_name if device.type == "cuda" else None, peak_prec)
     achieved = t.flops_per_image * ips / 1e12 if ips and t.flops_per_image else None

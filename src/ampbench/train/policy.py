@@ -28,10 +28,15 @@ class PrecisionPolicy:
     device_type: str        # cuda | cpu
     amp: AmpConfig | None   # GradScaler settings, used only by a precision that needs a scaler
     recipe: str | None = None  # a converting rung's recipe
+    convert_ends: bool = False  # a converting rung converts the model's first layer and classifier head too
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model as this precision trains it (a converting rung: its eligible layers converted)."""
-        return self.rung.prepare(model, self.recipe)
+        return self.rung.prepare(model, self.recipe, self.convert_ends)
+
+    def census(self, model: nn.Module, image_size: int) -> dict | None:
+        """What this precision converts in ``model`` (unconverted), as ``prepare`` converts it; None if nothing."""
+        return self.rung.census(model, self.recipe, image_size, self.convert_ends)
 
     @property
     def rung(self) -> Rung:

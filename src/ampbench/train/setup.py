@@ -63,7 +63,7 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     set_tf32(plan.train.allow_tf32)
-    policy = PrecisionPolicy(plan.precision, device.type, plan.amp, plan.recipe)
+    policy = PrecisionPolicy(plan.precision, device.type, plan.amp, plan.recipe, plan.model.convert_ends)
     input_size = models.input_size(plan.model, meta["image_shape"][-1])
     model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
