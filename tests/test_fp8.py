@@ -98,6 +98,42 @@ def test_an_older_params_yaml_with_fp8_recipe_loads_with_one_line_saying_to_rena
     assert runplan.read_plan(tmp_path / "old.json") == plan
 
 
+def test_fp8_trains_compiled_on_cuda_by_default_and_eager_on_a_cpu_labelled_so():
+    """torchao's float8 is fast only under torch.compile: train.compile auto (the default) compiles fp8 and mxfp8 on
+    CUDA (training and the sweep's points), nothing else, and nothing on a CPU; the report labels eager fp8."""
+    from ampbench.report import sections, summary, verdict
+    v = {"fp32": {"precision": "fp32"}, "f": {"precision": "fp8"}, "m": {"precision": "mxfp8"}}
+
+    def plans(compile_, device):
+        cfg = config.from_dict({"train": {"compile": compile_}, "variants": v} if compile_ is not None
+                               else {"variants": v})
+        return ({n: runplan.make_plan(cfg, n, device).train.compile for n in v},
+                {p: runplan.for_precision(cfg, p, device).train.compile for p in ("fp32", "fp8")})
+    assert config.from_dict({}).train.compile == "auto"
+    assert plans(None, "cuda") == ({"fp32": False, "f": True, "m": True}, {"fp32": False, "fp8": True})
+    assert plans(None, "cpu") == ({"fp32": False, "f": False, "m": False}, {"fp32": False, "fp8": False})
+    assert plans(False, "cuda") == ({"fp32": False, "f": False, "m": False}, {"fp32": False, "fp8": False})
+    assert plans(True, "cuda") == ({"fp32": True, "f": True, "m": True}, {"fp32": False, "fp8": True})
+    with pytest.raises(ConfigError, match=r"compile = 'yes' is not allowed; choose one of: true \| false \| auto"):
+        config.from_dict({"train": {"compile": "yes"}})
+    with pytest.raises(ConfigError, match="train.compile = 1 is not"):
+        config.from_dict({"train": {"compile": 1}})
+    # the report: an fp8 run that ran uncompiled is labelled eager wherever its figures are
+    base = {"accum_steps": 1, "imgs_per_s": 100.0, "step_time_ms": {"median": 10.0}, "peak_mem_bytes": 1,
+            "activation_bytes": 1, "epoch_time_s": 1.0, "final_acc": 0.5}
+    runs = {"fp32": {"metrics": {**base, "variant": "fp32", "precision": "fp32", "compiled": False}, "history": [],
+                     "step_times_ms": [10.0] * 5},
+            "f": {"metrics": {**base, "variant": "f", "precision": "fp8", "compiled": False}, "history": [],
+                     "step_times_ms": [10.0] * 5}}
+    s = summary.summarize(runs)
+    assert s["variants"]["f"]["eager"] and not s["variants"]["fp32"]["eager"]
+    md = "\n".join(sections.results(s, {"gpu": None}, runs))
+    assert "| f | fp8 (eager) | 1 |" in md and "Eager: `f` ran without torch.compile" in md
+    assert "f (FP8, eager)" in verdict.verdict({**s, "headline": "f"}, {"gpu": None, "cpu_model": "x"})
+    runs["f"]["metrics"]["compiled"] = True
+    assert not summary.summarize(runs)["variants"]["f"]["eager"]
+
+
 @pytest.mark.parametrize(("name", "cap", "refused"), [("NVIDIA A100-SXM4-80GB", (8, 0), True),
                                                      ("NVIDIA GeForce RTX 4090", (8, 9), False),
                                                      ("NVIDIA H200", (9, 0), False)])
@@ -130,7 +166,7 @@ def test_env_check_says_what_fp8_converts_and_warns_where_it_cannot_pay(tmp_path
     assert out.returncode == 0, out.stderr
     assert "fp8 (tensorwise) runs 12 of the model's layers in float8" in out.stdout
     assert "its widest fp8 layer is 192x768: fp8 pays off only on large GEMMs" in out.stdout
-    assert "train.compile: false" in out.stdout and "fp8 on a CPU is emulated" in out.stdout
+    assert "fp8 on a CPU is emulated" in out.stdout and "and eager (compiling would cost minutes)" in out.stdout
     out = _env_check(tmp_path, {**base, "model": {"arch": "small_cnn"}})
     assert out.returncode == 0 and "fp8 converts no layer of this model" in out.stdout
     assert "it would measure bf16" in out.stdout

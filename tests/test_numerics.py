@@ -97,6 +97,32 @@ def test_persistent_nan_names_the_layer_and_stops(tiny, monkeypatch):
     assert err.value.result.metrics["nonfinite_loss_steps"] == 3 and err.value.exit_code == 3
 
 
+def test_the_advice_of_a_stop_fits_the_cause_the_diagnosis_found(tiny, monkeypatch):
+    """An activation that turns NaN under fp16 with finite weights points at fp16's range, not the learning rate; an
+    update that wrote inf weights points at the step's size; one after skipped steps of a fused optimizer at its
+    state first (a fused kernel skips by returning early)."""
+    with pytest.raises(NonFiniteTraining) as err:
+        monkeypatch.setattr(models, "build", _poisoned_build(after=0))
+        runner.train(_plan(), tiny, progress=False)
+    msg = str(err.value)
+    assert "in fp16 that is most often an activation past fp16's range" in msg and "Train this variant in bf16" in msg
+    assert "wrote inf/NaN weights" not in msg
+    monkeypatch.undo()
+    with pytest.raises(NonFiniteTraining) as err:  # a learning rate no model survives: weights inf after a step
+        runner.train(_plan("fp32", "fp32", train={"lr": 1e30}), tiny, progress=False)
+    msg = str(err.value)
+    assert "An optimizer step wrote inf/NaN weights" in msg and "Lower train.lr" in msg and "bf16" not in msg
+    assert err.value.result.metrics["diagnosis"]["nonfinite_params"]
+    d = {"nonfinite_params": ["0.weight"], "first_bad_module": "0"}
+    fused = numerics.advice(d, "fp16", "fused", skipped=1)
+    assert "optimizer_impl: foreach to rule that out first" in fused and "skipped 1 step(s)" in fused
+    assert "optimizer_impl" not in numerics.advice(d, "fp16", "foreach", skipped=1)
+    w = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    opt.state[w]["momentum_buffer"] = torch.tensor([float("nan"), 0.0])
+    assert numerics.nonfinite_state(nn.ParameterList([w]), opt) == ["0"]
+
+
 def test_fp32_nan_is_caught_without_a_scaler(tiny, monkeypatch):
     monkeypatch.setattr(models, "build", _poisoned_build(after=0))
     with pytest.raises(NonFiniteTraining, match="training loss became inf/NaN"):

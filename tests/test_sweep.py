@@ -107,7 +107,7 @@ def test_the_search_for_a_rung_with_a_micro_batch_rule_tries_only_batches_it_can
     def try_step(batch):
         tried.append(batch)
         if batch % 16:
-            raise RuntimeError("Expected trailing dimension of mat1 to be divisible by 16 but got mat1 shape: (192x520)")
+            raise RuntimeError("Expected trailing dimension of mat1 to be divisible by 16 but got mat1 shape: 192x520")
         if batch > 3000:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 

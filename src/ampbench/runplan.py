@@ -63,7 +63,8 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
     # target_acc is read by the report only, not a reason to retrain; TF32 follows the precision; the optimizer's
     # implementation is the variant's own where it sets one, resolved for the device
     train = dataclasses.replace(cfg.train, target_acc=0.0, allow_tf32=rung(v.precision).tf32,
-                                optimizer_impl=optimizer_impl(cfg, v.optimizer_impl, v.precision, device))
+                                optimizer_impl=optimizer_impl(cfg, v.optimizer_impl, v.precision, device),
+                                compile=compiled(cfg, v.precision, device))
     return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
                    amp=amp_settings(v.precision, cfg.amp), debug=cfg.debug,
@@ -76,13 +77,23 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
 
 def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
     """The plan of a batch-size sweep point's short run: ``precision`` with params.yaml's model, training
-    settings and loss scale, in one process, uncompiled (each swept batch size would compile anew)."""
+    settings and loss scale, in one process; compiled only where the rung is fast only compiled and training
+    compiles it (each swept batch size compiles anew)."""
     return RunPlan(variant=f"sweep-{precision}", precision=precision, accum_steps=1, device=device, seed=cfg.seed,
                    model=cfg.model, train=dataclasses.replace(
-                       cfg.train, compile=False, allow_tf32=rung(precision).tf32,
+                       cfg.train, compile=rung(precision).fast_compiled and compiled(cfg, precision, device),
+                       allow_tf32=rung(precision).tf32,
                        optimizer_impl=optimizer_impl(cfg, "", precision, device)),
                    amp=amp_settings(precision, cfg.amp), ddp=False,
                    recipe=recipe(cfg, precision))
+
+
+def compiled(cfg: Config, precision: str, device: str) -> bool:
+    """Whether ``precision`` trains compiled: train.compile, with auto resolved (a rung fast only under
+    torch.compile, on CUDA; a CPU runs it eager, since compiling would cost minutes there)."""
+    if cfg.train.compile == "auto":
+        return device == "cuda" and rung(precision).fast_compiled
+    return bool(cfg.train.compile)
 
 
 def optimizer_impl(cfg: Config, impl: str, precision: str, device: str) -> str:

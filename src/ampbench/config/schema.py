@@ -76,7 +76,9 @@ class TrainConfig:
     eval_batch_size: int = _opt(1024, lo=1)   # images per evaluation batch
     augment: bool = True                      # random crop (4-pixel padding) and flip, on the device
     repeats: int = _opt(1, lo=1)              # trainings per variant, seeds seed, seed+1, ...: mean and spread
-    compile: bool = False                     # torch.compile the model (first steps compile: raise warmup_steps)
+    # torch.compile the model (first steps compile: raise warmup_steps); auto: the rungs only fast compiled (fp8,
+    # mxfp8) on CUDA, the others eager; a run plan holds what it resolved to (true or false)
+    compile: bool | str = _opt("auto", choices=(True, False, "auto"))
     target_acc: float = _opt(0.0, lo=0, hi=1)  # report each variant's training time to this eval accuracy (0 = off)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,10 @@ def _where(path: str, value: Any) -> str:
     return f"params.yaml: {path} = {value!r}"
 
 
-def _check_scalar(path: str, value: Any, typ: type, meta: dict) -> Any:
+def _check_scalar(path: str, value: Any, typ: Any, meta: dict) -> Any:
+    if isinstance(typ, types.UnionType):  # one of several types (bool | str: true, false or a word)
+        typ = next((t for t in typ.__args__ if isinstance(value, t) and (t is bool or not isinstance(value, bool))),
+                   typ.__args__[0])
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     ok = isinstance(value, typ) and (typ is bool or not isinstance(value, bool))
@@ -41,8 +45,8 @@ def _check_scalar(path: str, value: Any, typ: type, meta: dict) -> Any:
         raise ConfigError(f"{_where(path, value)} is not {_TYPE_NAMES[typ]}; set it to {_TYPE_NAMES[typ]}")
     choices = meta.get("choices")
     choices = choices() if callable(choices) else choices  # a registry's names, read when checked
-    if choices and value not in choices:
-        allowed = " | ".join(c if c != "" else '""' for c in choices)
+    if choices and not any(value == c and type(value) is type(c) for c in choices):
+        allowed = " | ".join(str(c).lower() if isinstance(c, bool) else c if c != "" else '""' for c in choices)
         raise ConfigError(f"{_where(path, value)} is not allowed; choose one of: {allowed}")
     if meta.get("nonempty") and not value.strip():
         raise ConfigError(f"{_where(path, value)} is empty; give it a name")

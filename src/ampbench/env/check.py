@@ -86,7 +86,7 @@ def census(cfg: config.Config, device: str, image_size: int, num_classes: int) -
             found[p] = {"error": why}
             continue
         warnings += rung.check_batches(counted, micro_batches(cfg, p), device)
-        warnings += rung.warnings(counted, cfg.train.compile, device, models.name(cfg.model))
+        warnings += rung.warnings(counted, runplan.compiled(cfg, p, device), device, models.name(cfg.model))
         found[p] = counted
     return found, warnings
 

@@ -53,6 +53,7 @@ class Rung:
     always_counted: bool = True     # the roofline counts it even when no variant trains in it
     in_ladder: bool = True          # `ampbench demo --ladder` trains it (a CPU runs it at the demo's batch)
     scaling_files: tuple[str, ...] = ()  # source files whose ops torch.compile fuses into its casts (the roofline)
+    fast_compiled: bool = False     # fast only under torch.compile: train.compile auto compiles it on CUDA
 
     # --- what a family may override -------------------------------------------------------------------------
     def prepare(self, model, recipe: str | None = None, ends: bool = False):

@@ -113,13 +113,14 @@ class Float8(LinearRung):
             census["small_gemms"] = (f"its widest fp8 layer is {census['widest'][0]}x{census['widest'][1]}: "
                                      f"{SMALL_GEMM_NOTE}, so expect fp8 no faster than bf16 here")
             out.append(f"{self.name} on this model: {census['small_gemms']}")
-        if not compiled:
-            out.append(f"precision {self.name} with train.compile: false: torchao's float8 training is fast only "
-                       "under torch.compile (which fuses its scaling and casts); set train.compile: true")
+        if not compiled and device != "cpu":
+            out.append(f"precision {self.name} with train.compile: false runs eager: torchao's float8 training is fast "
+                       "only under torch.compile (which fuses its scaling and casts), so the report labels its "
+                       "figures eager; set train.compile: auto (or true)")
         if device == "cpu":
             out.append(f"{self.name} on a CPU is emulated (torch._scaled_mm's CPU path; Float8Linear follows CUDA "
-                       "autocast only, so its inputs stay fp32): it shows that fp8 training runs, not what fp8 buys, "
-                       "and it is not the GPU's fp8 tensor-core path")
+                       "autocast only, so its inputs stay fp32) and eager (compiling would cost minutes): it shows "
+                       "that fp8 training runs, not what fp8 buys, and it is not the GPU's fp8 tensor-core path")
         return out
 
     def runs_note(self, runs: list[tuple[str, dict]]) -> str:
@@ -138,5 +139,6 @@ RUNGS = [
            recipes=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
            cpu_recipes=("tensorwise", "rowwise"),  # rowwise_with_gw_hp's bf16 gradient GEMM fails under CPU autocast
            emulated_on_cpu=True, always_counted=False, scaling_files=SCALING_FILES, multiple=MULTIPLE,
+           fast_compiled=True,
            census_how=" (counted by forward hooks on the layers a forward pass calls)"),
 ]

@@ -175,6 +175,7 @@ RUNGS = [
     MXFP8("mxfp8", "MXFP8", autocast="bfloat16", datasheet="mxfp8",
           recipes=("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", EMULATED), cpu_recipes=(EMULATED,),
           emulated_on_cpu=True, always_counted=False, in_ladder=False, multiple=BLOCK, format_name="MX fp8",
+          fast_compiled=True,
           rows_rule_on_cpu=True, rows_why=f"MX scales blocks of {BLOCK} values along them",
           reach="it multiplies by",
           format_how=f" (e4m3 in blocks of {BLOCK} with a shared power-of-two scale, in all three GEMMs)"),

@@ -73,6 +73,22 @@ def speedup(row: dict) -> str:
     return f"{times(row['speedup'])}{ci}"
 
 
+def precision(row: dict) -> str:
+    """A summary row's precision, ``fp8 (eager)`` where a rung fast only compiled ran uncompiled."""
+    return f"{row['precision']} (eager)" if row.get("eager") else str(row["precision"])
+
+
+def eager_note(summary: dict) -> list[str]:
+    """What an eager figure means, once, where any variant's is."""
+    eager = [n for n, r in summary["variants"].items() if r.get("eager")]
+    if not eager:
+        return []
+    return [f"Eager: {', '.join(f'`{n}`' for n in eager)} ran without torch.compile (on a CPU always; on a GPU with "
+            "train.compile: false), and torchao's low-precision training is fast only compiled (it fuses the "
+            "scaling and casts into few kernels): its speed here is not what it buys compiled, and the roofline's "
+            "bound counts it compiled.", ""]
+
+
 def not_made(summary: dict, *analyses: str) -> list[str]:
     """One line per variant for which an analysis could not be made, with why (``errors.analysis``)."""
     lines = [f"{ANALYSES[a][0].upper()}{ANALYSES[a][1:]} could not be made for `{n}`: {why}."

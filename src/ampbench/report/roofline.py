@@ -74,7 +74,8 @@ def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
     by_precision: dict[str, list[str]] = {}
     for name, m in found["measured"].items():
         by_precision.setdefault(m["precision"], []).append(
-            f"{name}: {fmt.times(m['speedup'])} measured, {m['of_roofline']:.0%} of the bound's img/s")
+            f"{name}: {fmt.times(m['speedup'])} measured{' eager' if m.get('eager') else ''}, {m['of_roofline']:.0%} "
+            "of the bound's img/s")
     lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", ""]
     return lines + roofline_table(gpu["table"], by_precision) + ["", ROOFLINE_NOTE, ""]
 

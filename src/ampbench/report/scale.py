@@ -24,7 +24,8 @@ def sweep(summary: dict, env: dict, runs: dict) -> list[str]:
            f"img/s as training measures it (p10 to p90 of the steps' rates) and {meter}. "
            f"{s['measured_points']} point(s) measured in this run, {s['reused_points']} reused from an earlier "
            "run with the same settings, data, machine and code.", "",
-           "| batch | " + " | ".join(s["points"]) + " |", "|---|" + "---|" * len(s["points"])]
+           "| batch | " + " | ".join(f"{p} (eager)" if p in s["eager"] else p for p in s["points"]) + " |",
+           "|---|" + "---|" * len(s["points"])]
     for b in batches:
         cells = []
         for pts in s["points"].values():
@@ -39,6 +40,9 @@ def sweep(summary: dict, env: dict, runs: dict) -> list[str]:
                              f"{(sweep_memory(p, s['device']) or 0) / fmt.MIB:,.1f} MiB")
         out.append(f"| {b} | " + " | ".join(cells) + " |")
     out.append("")
+    if s["eager"]:
+        out += [f"{', '.join(s['eager'])} ran eager (without torch.compile, under which alone torchao's low-precision "
+                "training is fast): " + ("a CPU runs it so" if not cuda else "train.compile is false") + ".", ""]
     out += [f"Could not be made: {p['precision']} at batch {p['batch_size']} ({p['error']})." for p in s["not_made"]]
     out += [""] if s["not_made"] else []
     if s["left_out"]:  # the CPU budget: the batches a CPU would have taken minutes over, each named

@@ -73,11 +73,12 @@ def results(summary: dict, env: dict, runs: dict) -> list[str]:
     for name, r in summary["variants"].items():
         vs_tf32 = fmt.times(r["vs_tf32"]) if r.get("vs_tf32") is not None else "n/a"
         lines.append(
-            f"| {name} | {r['precision']} | {r['accum_steps']} | {_imgs_per_s(r)} | {_speedup(r)} | {vs_tf32} "
+            f"| {name} | {fmt.precision(r)} | {r['accum_steps']} | {_imgs_per_s(r)} | {_speedup(r)} | {vs_tf32} "
             f"| {fmt.size(r['peak_mem_bytes'])} | {fmt.change(r.get('mem_ratio'))} | {fmt.size(r['activation_bytes'])} "
             f"| {fmt.change(r.get('activation_ratio'))} | {_tflops(r)} | {fmt.num(r['epoch_time_s'], '.1f')} s "
             f"| {_accuracy(r)} | {fmt.points(r.get('acc_diff'))} |")
     lines.append("")
+    lines += fmt.eager_note(summary)
     if summary.get("missing"):
         lines += [f"No finished run for: {', '.join(summary['missing'])} (missing, not estimated).", ""]
     lines += [

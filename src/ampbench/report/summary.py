@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from ampbench import precision
 from ampbench.measure import stats
 
 # Figures copied as they are from each run's metrics.json into its summary row.
@@ -132,6 +133,8 @@ def _variant(name: str, run: dict, base: dict | None, target_acc: float, tf32: d
     row.update(repeats=m.get("repeats", 1), status=m.get("status", "complete"),
                step_time_ms_median=(m.get("step_time_ms") or {}).get("median"))
     row["profile"] = m.get("profile")
+    rung = precision.RUNGS.get(m.get("precision"))
+    row["eager"] = bool(rung and rung.fast_compiled and not m.get("compiled"))  # fp8 measured uncompiled
     if target_acc:
         reached = time_to_accuracy(run["history"], target_acc)
         row["time_to_target_s"], row["time_to_target_epoch"] = reached or (None, None)
@@ -187,7 +190,7 @@ def roofline(found: dict | None, rows: dict[str, dict]) -> dict | None:
         if bound and r["accum_steps"] == 1 and (r.get("world_size") or 1) == 1 and r.get("imgs_per_s"):
             out["measured"][name] = {"precision": r["precision"], "speedup": r.get("speedup"),
                                      "roofline_vs_fp32": bound["vs_fp32"],
-                                     "of_roofline": r["imgs_per_s"] / bound["imgs_per_s"]}
+                                     "of_roofline": r["imgs_per_s"] / bound["imgs_per_s"], "eager": r.get("eager")}
     return out
 
 
@@ -206,7 +209,8 @@ def sweep(found: dict | None) -> dict | None:
     return {"device": found["device"], "steps": found["steps"], "warmup": found["warmup"], "points": by_prec,
             "largest": largest,
             "reused_points": found.get("reused_points"), "measured_points": found.get("measured_points"),
-            "not_made": found.get("not_made") or [], "left_out": found.get("left_out") or []}
+            "not_made": found.get("not_made") or [], "left_out": found.get("left_out") or [],
+            "eager": found.get("eager") or []}
 
 
 def sweep_memory(point: dict, device: str) -> int | None:

@@ -80,6 +80,7 @@ def verdict(summary: dict, env: dict) -> str:
     where = env["gpu"]["name"] if env.get("gpu") else f"this CPU ({env.get('cpu_model')})"
     label = precision.label(r.get("precision")) if r.get("precision") in precision.RUNGS \
         else str(r.get("precision")).upper()
+    label += ", eager" if r.get("eager") else ""
     text = f"On {where}, {name} ({label}) {_speed(r)}, {_memory(r)}{_accuracy(r, base)}."
     lo = (r.get("speedup_ci95") or [None])[0]
     if not (lo is not None and lo > 1.02):
@@ -171,7 +172,7 @@ def ladder_sentence(summary: dict, env: dict) -> str:
         if name == base or r.get("speedup") is None:
             continue
         against = f", {fmt.times(r['vs_tf32'])} TF32" if r.get("vs_tf32") is not None else ""
-        label = name if name == r["precision"] else f"{name} ({r['precision']})"
+        label = name if name == fmt.precision(r) else f"{name} ({fmt.precision(r)})"
         parts.append(f"{label} {fmt.times(r['speedup'])} strict fp32{against}")
     if not parts:
         return ""

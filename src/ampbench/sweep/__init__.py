@@ -188,6 +188,8 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
               "batch_sizes": list(cfg.sweep.batch_sizes), "steps": cfg.sweep.steps, "warmup": WARMUP, "points": rows,
               "largest": largest, "reused_points": reused, "measured_points": len(rows) - reused,
               "not_made": failed, "left_out": left_out,
+              "eager": [p for p in precisions if rung(p).fast_compiled
+                        and not runplan.for_precision(cfg, p, device.type).train.compile],
               "cpu_point_budget_s": cfg.sweep.cpu_point_budget_s if device.type == "cpu" else None}
     write_json(out / "max.json", largest)
     atomic_write(out / "sweep.csv", csv_text(rows, SWEEP_COLUMNS))

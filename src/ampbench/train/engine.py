@@ -157,12 +157,13 @@ class Trainer:
         """Stop the run with a diagnosis: which module first produced inf/NaN, and which gradient."""
         x, y = self.last_batch
         self.peaks.close()  # the diagnosis's own passes are not training's
-        self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.ledger.last_scale or 1.0)
+        self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.ledger.last_scale or 1.0,
+                                           self.opt)
         self.diagnosis["reason"] = why
+        fix = numerics.advice(self.diagnosis, self.plan.precision, self.plan.train.optimizer_impl, self.ledger.skipped)
         raise NonFiniteTraining(
             f"[{self.plan.variant}] training stopped at epoch {self.epoch + 1}, step {self.step_in_epoch + 1}: "
-            f"{why}. {numerics.describe(self.diagnosis)}. Try a lower train.lr, turn AMP off for this variant "
-            "(precision: fp32) to see whether the model itself diverges, or set debug.detect_anomaly: true")
+            f"{why}. {numerics.describe(self.diagnosis)}. {fix}")
 
     # --- one epoch -----------------------------------------------------------------------------
 

@@ -110,17 +110,30 @@ def audit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], sc
     return out
 
 
-def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale: float) -> dict:
-    """Replay one batch with hooks: the first module whose output is inf/NaN, the first such gradient. A replay that
-    cannot be made (a model whose MX-wrapped weights have run cannot be copied) says so and never hides the stop."""
+def nonfinite_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[str]:
+    """The parameters whose optimizer state (momentum, moments) holds inf/NaN: what an optimizer step left there."""
+    if opt is None:
+        return []
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names.get(id(p), "?") for p, state in opt.state.items()
+            if any(torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()
+                   for v in state.values())]
+
+
+def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale: float,
+             opt: torch.optim.Optimizer | None = None) -> dict:
+    """Replay one batch with hooks: the first module whose output is inf/NaN, the first such gradient; and what
+    holds inf/NaN already: the weights, the optimizer's state. A replay that cannot be made (a model whose
+    MX-wrapped weights have run cannot be copied) says so and never hides the stop."""
+    state = nonfinite_state(model, opt)[:5]
     try:
         probe = copy.deepcopy(model).train()
     except Exception as err:
         return {"first_bad_module": None, "first_bad_grad": None, "nonfinite_params": [], "loss": None,
-                "not_made": f"{type(err).__name__}: {err}"}
+                "nonfinite_state": state, "not_made": f"{type(err).__name__}: {err}"}
     bad_params = [n for n, p in probe.named_parameters() if not torch.isfinite(p).all()]
     first: dict = {"first_bad_module": None, "first_bad_grad": None,
-                   "nonfinite_params": bad_params[:5], "loss": None}
+                   "nonfinite_params": bad_params[:5], "nonfinite_state": state, "loss": None}
     handles = []
     for name, m in probe.named_modules():
         def fwd(mod, inp, out, name=name or "<model>"):
@@ -145,8 +158,34 @@ def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale
 def describe(d: dict) -> str:
     """One sentence for an error message."""
     parts = []
+    if d.get("nonfinite_state"):
+        parts.append(f"optimizer state already non-finite for: {', '.join(d['nonfinite_state'])}")
     if d.get("nonfinite_params"):
         parts.append(f"weights already non-finite: {', '.join(d['nonfinite_params'])}")
     parts.append(f"first module with an inf/NaN output: {d.get('first_bad_module') or 'none found'}")
     parts.append(f"first parameter with an inf/NaN gradient: {d.get('first_bad_grad') or 'none found'}")
     return "; ".join(parts)
+
+
+def advice(d: dict, precision: str, optimizer_impl: str, skipped: int = 0) -> str:
+    """What to try, for the cause the diagnosis ``d`` found: weights an update wrote (the step's size, or a fused
+    kernel's state after skipped steps), an activation with finite weights (fp16's range, or the model), or nothing
+    left to see in a replay."""
+    if d.get("nonfinite_params"):
+        text = ("An optimizer step wrote inf/NaN weights (the forward pass did not make them): the update was too "
+                "large, or the optimizer's state was wrong. ")
+        if skipped and optimizer_impl == "fused":
+            return text + (f"The GradScaler skipped {skipped} step(s), and a fused kernel skips by returning early, "
+                           "leaving its state as it found it: set this variant's optimizer_impl: foreach to rule that "
+                           "out first; if it persists, lower train.lr or set train.clip_grad_norm (e.g. 1.0)")
+        return text + "Lower train.lr, or set train.clip_grad_norm (e.g. 1.0)"
+    module = d.get("first_bad_module")
+    if module and precision == "fp16":
+        return (f"With finite weights, {module}'s output was inf/NaN: in fp16 that is most often an activation past "
+                "fp16's range (65504), which no loss scale helps. Train this variant in bf16 (fp32's range, no loss "
+                "scale); if precision: fp32 diverges too, the model itself does: lower train.lr")
+    if module:
+        return (f"With finite weights, {module}'s output was inf/NaN: the model diverges at this learning rate or "
+                "computes a NaN (0/0, log of 0). Lower train.lr, or set debug.detect_anomaly: true to find the op")
+    return ("A replay of the last batch was finite throughout, so the cause did not persist: set "
+            "debug.detect_anomaly: true to stop at the op that produces the first inf/NaN")
