@@ -25,6 +25,7 @@ def main() -> None:
     ap.add_argument("--figures", required=True)
     ap.add_argument("--curves", required=True, help="per-epoch curves of all variants, for dvc plots")
     ap.add_argument("--roofline", default="", help="env_check's roofline.json (optional)")
+    ap.add_argument("--paired", default="", help="paired.json of the paired stage (optional)")
     args = ap.parse_args()
 
     cfg = config.load(args.params)
@@ -38,7 +39,9 @@ def main() -> None:
                            sweep=json.loads(Path(args.sweep).read_text()) if args.sweep and Path(args.sweep).is_file()
                            else None,
                            roofline=json.loads(Path(args.roofline).read_text())
-                           if args.roofline and Path(args.roofline).is_file() else None)
+                           if args.roofline and Path(args.roofline).is_file() else None,
+                           paired=json.loads(Path(args.paired).read_text())
+                           if args.paired and Path(args.paired).is_file() else None)
     built = int(time.time() * 1000)
     print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
 

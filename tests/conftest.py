@@ -24,6 +24,7 @@ SHRINK = {
     "model": {"arch": "small_cnn"},
     "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 1, "eval_batch_size": 64},
     "sweep": {"batch_sizes": [8, 16], "steps": 2},
+    "paired": {"enabled": False},  # the pipeline test runs it (test_pipeline)
     "mlflow": {"log_model": False},  # 2 s a train stage; the pipeline and tracking tests turn it on
 }
 

@@ -32,6 +32,7 @@ def pipeline(tmp_path_factory):
     from tests.conftest import SHRINK
     params = sandbox.merge(copy.deepcopy(yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())), SHRINK)
     params["mlflow"]["log_model"] = True  # each variant's LoggedModel, checked below
+    params["paired"] = {"enabled": True, "rounds": 2, "steps": 1}  # the paired stage, shrunk
     repo = sandbox.create(tmp_path_factory.mktemp("repo"), params)
     mp = pytest.MonkeyPatch()
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)  # use the default: sqlite:///<repo>/mlflow.db
@@ -78,6 +79,13 @@ def test_every_declared_output_exists(pipeline):
         assert json.loads((r / "runs" / v / "profile_trace.json").read_text())["traceEvents"]
     curves = (r / "curves.csv").read_text().splitlines()
     assert curves[0] == "variant,epoch,eval_acc,train_loss,eval_loss" and len(curves) == 1 + len(VARIANTS)
+    # the paired check: fp32, tf32 and fp16 in turns (amp_accum's accumulation is not in it), beside the stages
+    found = json.loads((r / "paired.json").read_text())
+    assert set(found["imgs_per_s"]) == {"fp32", "tf32", "fp16"} and set(found["vs_fp32"]) == {"tf32", "fp16"}
+    assert all(len(v) == 2 for v in found["imgs_per_s"].values())
+    assert "## Steadiness and the paired check" in md and "| amp | fp16 |" in md
+    assert summary["variants"]["amp"]["paired"]["rounds"] == found["vs_fp32"]["fp16"]["rounds"]
+    assert "5 rounds agreeing are needed" in md_lines[2]  # 2 rounds: measured, no claim
 
 
 def test_dvc_metrics_plots_and_lock(pipeline):
@@ -88,7 +96,7 @@ def test_dvc_metrics_plots_and_lock(pipeline):
     shown = _dvc(repo, "metrics", "show", "--json")
     assert shown.returncode == 0 and "speedup" in shown.stdout and "final_acc" in shown.stdout
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
-    assert {"env_check", "data", "report", *(f"train@{v}" for v in VARIANTS)} <= set(lock["stages"])
+    assert {"env_check", "data", "paired", "report", *(f"train@{v}" for v in VARIANTS)} <= set(lock["stages"])
 
 
 def test_mlflow_has_a_run_per_stage(pipeline):

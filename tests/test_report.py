@@ -43,7 +43,7 @@ def test_summary_ratios(runs, tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(s))
     md = (tmp_path / "report.md").read_text()
     assert "| amp | fp16 | 1 | 2,560 (2,327 to 2,844) | 3.00x (3.00 to 3.00) |" in md
-    assert "bootstrap over step times" in md
+    assert "bootstrap over one run's step times" in md
     assert "-40%" in md and "-1.00 pts" in md and "removed" not in md
     assert "quoted, not measured here" in md and "3.2x" in md
     assert (tmp_path / "fig" / "throughput.png").stat().st_size > 1000
@@ -170,7 +170,7 @@ def test_every_section_is_rendered_from_run_folders(runs, tmp_path):
         assert lines and "\n".join(lines) in md, section.__name__
     headings = [line for line in md.splitlines() if line.startswith("#")]
     assert headings == ["# ampbench report: what FP16 mixed precision bought here", "## Results (measured in this run)",
-                        "## What the datasheet allows: the roofline",
+                        "## Steadiness and the paired check", "## What the datasheet allows: the roofline",
                         "## Why: the step profile", "## Ours beside the article's", "## Memory, meter by meter",
                         "## Batch-size sweep", "## Past one process: data-parallel training (DDP)",
                         "## GPU clock, temperature and energy", "## Numerical safety", "## Figures",

@@ -22,7 +22,8 @@ ANALYSES = {  # name -> what the warning calls it
     "roofline": "the roofline count", "audit": "the numerics audit", "accumulation": "the accumulation check",
     "activations": "the activation-memory meter", "flops": "the FLOP count", "profile": "the step profile",
     "sweep": "a sweep point", "largest_batch": "the largest-batch search", "figures": "the figures",
-    "logged_model": "the MLflow LoggedModel", "fp8_census": "the census of what fp8 converts"}
+    "logged_model": "the MLflow LoggedModel", "fp8_census": "the census of what fp8 converts",
+    "paired": "the paired check"}
 
 
 class AmpbenchError(Exception):

@@ -23,6 +23,7 @@ from ampbench.config.schema import (  # noqa: F401  # noqa: F401  the underscore
     DistributedConfig,
     MlflowConfig,
     ModelConfig,
+    PairedConfig,
     ProfileConfig,
     SweepConfig,
     TrainConfig,

@@ -111,6 +111,14 @@ class SweepConfig:
 
 
 @dataclass(frozen=True)
+class PairedConfig:
+    enabled: bool = True          # time every precision in turns in one process (A B C, B C A, ...): a drift between
+    # the train stages cannot fake a speedup there; the verdict claims one from it when train.repeats is 1
+    rounds: int = _opt(5, lo=1)   # turns per precision; 5 or more for a claim (every round must agree: a sign test)
+    steps: int = _opt(5, lo=1)    # timed optimizer steps per turn, at train.batch_size, after one untimed step
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     detect_anomaly: bool = False  # run training under torch.autograd.detect_anomaly (slow; finds the NaN's origin)
 
@@ -162,6 +170,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    paired: PairedConfig = field(default_factory=PairedConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 

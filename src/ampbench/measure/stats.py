@@ -26,6 +26,40 @@ def rate_spread(rates: list[float]) -> list[float] | None:
     return [percentile(rates, 10), percentile(rates, 90)] if rates else None
 
 
+# A run is steady when its fixed-shape steps, the same work each, take about the same time. Past these limits the
+# machine changed under it (another tenant, a throttled clock), and its ratio to another stage says that, not the
+# precision (docs/results.md: a quiet machine's figures against a busy one's).
+SPREAD_LIMIT = 1.5   # p90 / p10 of the step times: a tenth of the steps at least 1.5x slower than another tenth
+DRIFT_LIMIT = 1.25   # the last third's median step time over the first third's (or its inverse)
+CLOCK_LIMIT = 1.05   # p90 / p10 of the GPU's SM clock samples during training
+
+
+def steadiness(step_ms: list[float], clock_p10_p90: list[float] | None = None) -> dict | None:
+    """How steady a run's timed steps were: their spread (p90 / p10), their drift (the last third's median over
+    the first third's), the SM clock's spread, and ``unsteady``: each measure past its limit, in words; None for
+    fewer than 6 steps."""
+    if len(step_ms) < 6:
+        return None
+    third = len(step_ms) // 3
+    spread = percentile(step_ms, 90) / percentile(step_ms, 10)
+    drift = float(np.median(step_ms[-third:]) / np.median(step_ms[:third]))
+    clock = clock_p10_p90[1] / clock_p10_p90[0] if clock_p10_p90 and clock_p10_p90[0] else None
+    unsteady = []
+    if spread > SPREAD_LIMIT:
+        unsteady.append(f"its step times spread {spread:.2f}x from p10 to p90 (limit {SPREAD_LIMIT})")
+    if max(drift, 1 / drift) > DRIFT_LIMIT:
+        unsteady.append(f"its steps ran {fmt_drift(drift)} by the last third of training than in the first "
+                        f"(limit {DRIFT_LIMIT}x)")
+    if clock and clock > CLOCK_LIMIT:
+        unsteady.append(f"the GPU's SM clock moved {clock:.2f}x from p10 to p90 (limit {CLOCK_LIMIT})")
+    return {"spread": spread, "drift": drift, "clock_spread": clock, "unsteady": unsteady}
+
+
+def fmt_drift(drift: float) -> str:
+    """A drift in step time as words: 2.00x slower, 1.30x faster."""
+    return f"{drift:.2f}x slower" if drift >= 1 else f"{1 / drift:.2f}x faster"
+
+
 def mean_std(values: list[float]) -> tuple[float, float]:
     """Mean and sample standard deviation (0 for a single value)."""
     if not values:

@@ -21,6 +21,8 @@ import time
 
 import psutil
 
+BUSY_PERCENT = 50  # a sample of a working GPU: its utilisation at least this
+
 COLUMNS = ["t_s", "process_cpu_percent", "process_rss_bytes", "system_memory_percent", "gpu_util_percent",
            "gpu_memory_used_bytes", "gpu_sm_clock_mhz", "gpu_temperature_c", "gpu_power_w", "gpu_unavailable"]
 
@@ -79,7 +81,13 @@ def summary(rows: list[dict], imgs_per_s: float | None) -> dict:
         return statistics.median(values) if values else None
 
     power = median("gpu_power_w")
+    # the clock while the GPU worked (an idle GPU clocks down: the stage's start and its evaluations would read as
+    # a moving clock): the steadiness guard's third measure
+    busy = [float(r["gpu_sm_clock_mhz"]) for r in rows if r.get("gpu_sm_clock_mhz") not in (None, "")
+            and float(r.get("gpu_util_percent") or 0) >= BUSY_PERCENT]
+    deciles = statistics.quantiles(busy, n=10) if len(busy) >= 2 else None
     return {"gpu_sm_clock_mhz_median": median("gpu_sm_clock_mhz"),
+            "gpu_sm_clock_mhz_p10_p90": [deciles[0], deciles[-1]] if deciles else None,
             "gpu_temperature_c_median": median("gpu_temperature_c"), "gpu_power_w_median": power,
             "energy_per_image_j": power / imgs_per_s if power is not None and imgs_per_s else None}
 

@@ -26,7 +26,8 @@ CURVE_COLUMNS = ["variant", "epoch", "eval_acc", "train_loss", "eval_loss"]
 
 def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_dir: Path,
           variants: list[str], changed_params: dict | None = None, curves_csv: Path | None = None,
-          target_acc: float = 0.0, sweep: dict | None = None, roofline: dict | None = None) -> dict:
+          target_acc: float = 0.0, sweep: dict | None = None, roofline: dict | None = None,
+          paired: dict | None = None) -> dict:
     """Write report.md, summary.json and figures from the runs on disk; return the summary.
 
     Only ``variants`` (those in params.yaml, in its order) are reported: a folder
@@ -36,7 +37,7 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
     runs = {name: found[name] for name in variants if name in found}
     if not runs:
         raise DataError(f"no finished runs under {runs_dir}; run the train stages first (dvc repro)")
-    summary = summarize(runs, target_acc, sweep, roofline)
+    summary = summarize(runs, target_acc, sweep, roofline, paired)
     summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
     summary["params_changed"] = dict(sorted((changed_params or {}).items()))
     Path(fig_dir).mkdir(parents=True, exist_ok=True)  # a DVC output, even when no figure could be drawn

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ampbench.measure import stats
 from ampbench.report import fmt
 from ampbench.report.fmt import not_made
 from ampbench.report.fmt import speedup as _speedup
@@ -96,9 +97,11 @@ def results(summary: dict, env: dict, runs: dict) -> list[str]:
            "for convolutions)." if summary.get("tf32_baseline") else "."), ""]
     methods = sorted({r["speedup_ci_method"] for r in summary["variants"].values() if r.get("speedup_ci_method")})
     if methods:
-        caveat = (" A bootstrap over the step times of one process says nothing about process-to-process "
-                  "variation (another process can land on other kernels, clocks or memory placement); set "
-                  "train.repeats: 3 or more for a figure to publish.")
+        caveat = (" A bootstrap over the step times of one process is an interval within one run: it says how "
+                  "precisely that run was timed, nothing about process-to-process variation (another process can "
+                  "land on other kernels, clocks or memory placement) or about a machine that changed between the "
+                  "stages; the verdict claims no speedup from it (the paired check below, or train.repeats: 3 or "
+                  "more, for a figure to publish).")
         lines += [f"Speedup interval: {'; '.join(methods)}."
                   + (caveat if any(m.startswith("bootstrap") for m in methods) else ""), ""]
     return lines + not_made(summary, "flops") + _time_to_accuracy(summary)
@@ -262,7 +265,48 @@ def reproduce(summary: dict, env: dict, runs: dict) -> list[str]:
 
 
 # The report, in order: a new section is a function above and its name here.
-SECTIONS = (header, results, roofline, profile, article, memory, sweep, scaling, gpu_state, safety, figures,
+def steadiness(summary: dict, env: dict, runs: dict) -> list[str]:
+    """Whether the machine was steady while each variant trained, and the paired check's ratios beside the
+    stages'."""
+    rows = summary["variants"]
+    lines = ["## Steadiness and the paired check", "",
+             "The train stages run one after another, so a machine that changed between them (another tenant, a "
+             f"throttled clock) moves one variant alone. A run is called unsteady when its step times spread past "
+             f"{stats.SPREAD_LIMIT}x (p90 / p10), when its steps got more than {stats.DRIFT_LIMIT}x slower or faster "
+             f"from the first third of training to the last, or when its GPU's SM clock moved past "
+             f"{stats.CLOCK_LIMIT}x while busy; the verdict claims no speedup from an unsteady stage.", "",
+             "| variant | step time p90 / p10 | last third vs first | SM clock p90 / p10 | steady |",
+             "|---|---|---|---|---|"]
+    for name, r in rows.items():
+        st = r.get("steadiness")
+        if not st:
+            lines.append(f"| {name} | n/a | n/a | n/a | too few timed steps to tell |")
+            continue
+        clock = f"{st['clock_spread']:.3f}x" if st.get("clock_spread") else "n/a"
+        lines.append(f"| {name} | {st['spread']:.2f}x | {stats.fmt_drift(st['drift'])} | {clock} | "
+                     f"{'no: ' + '; '.join(st['unsteady']) if st['unsteady'] else 'yes'} |")
+    lines.append("")
+    p = summary.get("paired")
+    if not p:
+        return lines + ["No paired check ran (paired.enabled: false).", ""]
+    lines += [f"The paired check: each precision timed for {p['steps']} optimizer steps at batch {p['batch']}, in "
+              f"turns in one process ({p['order']}), {p['rounds']} rounds; each round's ratio is to fp32's window of "
+              f"the same round, so a drift lands on every precision alike. A precision is called faster (slower) "
+              f"only when all of at least {p['claim_rounds']} rounds say so by more than {p['margin']:.0%} (a sign "
+              "test: 3% by chance).", "",
+              "| variant | precision | paired: median vs fp32 | rounds | claim | its stage vs fp32 |",
+              "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        got = r.get("paired")
+        if got:
+            lines.append(f"| {name} | {fmt.precision(r)} | {fmt.times(got['median'])} | "
+                         + ", ".join(fmt.ratio(x) for x in got["rounds"])
+                         + f" | {got.get('claim') or 'none'} | {fmt.times(r.get('speedup'))} |")
+    lines += [""] + [f"Not in the paired check: {p_} ({why})." for p_, why in (p.get("not_made") or {}).items()]
+    return lines + ([""] if p.get("not_made") else [])
+
+
+SECTIONS = (header, results, steadiness, roofline, profile, article, memory, sweep, scaling, gpu_state, safety, figures,
             environment, reproduce)
 
 

@@ -19,7 +19,8 @@ COPIED = ("precision", "accum_steps", "imgs_per_s", "imgs_per_s_std", "epoch_tim
           "nonfinite_loss_steps", "final_loss_scale", "data_time_fraction", "accum_grad_max_rel_diff",
           "achieved_tflops", "fraction_of_peak", "peak_tflops_datasheet", "peak_precision", "world_size", "backend",
           "grad_comm", "imgs_per_s_per_process", "peak_window", "eval_peak_mem_bytes", "first_step_peak_mem_bytes",
-          "gpu_sm_clock_mhz_median", "gpu_temperature_c_median", "gpu_power_w_median", "energy_per_image_j",
+          "gpu_sm_clock_mhz_median", "gpu_sm_clock_mhz_p10_p90", "gpu_temperature_c_median", "gpu_power_w_median",
+          "energy_per_image_j",
           "started_at", "fp8_recipe", "fp8_layers", "micro_batch_size", "optimizer", "optimizer_impl",
           "optimizer_state_kept", "clip_grad_norm", "grad_norm_logged", "data_placement", "data_workers", "not_made")
 CLOCK_TOLERANCE = 0.05  # a variant whose median SM clock differs more from the baseline's ran on another GPU state
@@ -67,7 +68,7 @@ def speedup_with_ci(base: dict, run: dict) -> dict:
         return {"speedup": speedup, "speedup_ci95": [None, None], "speedup_ci_method": "no step times"}
     scale = speedup / of_means
     return {"speedup": speedup, "speedup_ci95": [lo * scale, hi * scale],
-            "speedup_ci_method": "bootstrap over step times (ratio of means)"}
+            "speedup_ci_method": "bootstrap over one run's step times (ratio of means)"}
 
 
 def time_to_accuracy(history: list[dict], target: float) -> tuple[float, int] | None:
@@ -139,6 +140,7 @@ def _variant(name: str, run: dict, base: dict | None, target_acc: float, tf32: d
         reached = time_to_accuracy(run["history"], target_acc)
         row["time_to_target_s"], row["time_to_target_epoch"] = reached or (None, None)
     row["imgs_per_s_p10_p90"] = m.get("imgs_per_s_p10_p90")
+    row["steadiness"] = stats.steadiness(run.get("step_times_ms") or [], m.get("gpu_sm_clock_mhz_p10_p90"))
     if base is not None:
         bm = base["metrics"]
         row.update(speedup_with_ci(base, run))
@@ -155,8 +157,9 @@ def _variant(name: str, run: dict, base: dict | None, target_acc: float, tf32: d
 
 
 def summarize(runs: dict[str, dict], target_acc: float = 0.0, sweep_json: dict | None = None,
-              roofline_json: dict | None = None) -> dict:
-    """Every number the report shows: per-variant rows and ratios, the profile comparison, sweep, scaling."""
+              roofline_json: dict | None = None, paired_json: dict | None = None) -> dict:
+    """Every number the report shows: per-variant rows and ratios, the profile comparison, sweep, scaling, and
+    the paired check's ratio beside each one-process variant's."""
     base, tf32 = pick_baseline(runs), pick_tf32(runs)
     out = {"baseline": base, "tf32_baseline": tf32, "variants": {}, "target_acc": target_acc or None,
            "profile_comparison": {}}
@@ -174,7 +177,20 @@ def summarize(runs: dict[str, dict], target_acc: float = 0.0, sweep_json: dict |
     out["sweep"] = sweep(sweep_json)
     out["scaling"] = scaling(runs)
     out["roofline"] = roofline(roofline_json, out["variants"])
+    out["paired"] = paired(paired_json, out["variants"])
     return out
+
+
+def paired(found: dict | None, rows: dict[str, dict]) -> dict | None:
+    """The paired check (``sweep.paired``), and on each one-process variant without accumulation its precision's
+    ratio to fp32 there (``row["paired"]``): what the verdict claims from when repeats are 1."""
+    if not found or not found.get("enabled"):
+        return None
+    for r in rows.values():
+        got = (found.get("vs_fp32") or {}).get(r["precision"])
+        if got and r["accum_steps"] == 1 and (r.get("world_size") or 1) == 1:
+            r["paired"] = got
+    return found
 
 
 def roofline(found: dict | None, rows: dict[str, dict]) -> dict | None:

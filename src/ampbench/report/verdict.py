@@ -27,18 +27,56 @@ def _reasons(r: dict, base: dict, env: dict) -> list[str]:
     return out
 
 
-def _speed(r: dict) -> str:
+DISAGREE = 1.1  # a stage's ratio more than 10% outside the paired check's rounds disagrees with it
+
+
+def unsteady(summary: dict, *names: str) -> list[str]:
+    """Of the runs ``names``, what says the machine was not steady while each ran: "`amp`: its steps ran ..."."""
+    return [f"`{n}`: {'; '.join(st['unsteady'])}" for n in dict.fromkeys(names)
+            if (st := summary["variants"][n].get("steadiness")) and st["unsteady"]]
+
+
+def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
+    """The verdict's words on a variant's speed against strict FP32, and what they claim (faster | slower | None).
+
+    A claim comes from repeated runs (a t-interval over the repeats that excludes 1), or else from the paired
+    check (every round agreeing); never from one run's interval alone, whose bootstrap over one process's steps
+    says how precisely that run was timed, not whether a second run would agree. A run on a machine that was not
+    steady claims nothing from its stage."""
     sp, (lo, hi) = r["speedup"], r.get("speedup_ci95") or [None, None]
-    one_process = (r.get("speedup_ci_method") or "").startswith("bootstrap")
+    repeats = (r.get("speedup_ci_method") or "").startswith("t-interval")
+    shaky = unsteady(summary, name, summary["baseline"])
     ci = ""
     if lo is not None and hi is not None:
-        source = ", from one process's step times" if one_process else ""
-        ci = f" (95% CI {fmt.ratio(lo)} to {fmt.ratio(hi)}{source})"
-    if lo is not None and lo > 1.02:
-        return f"trained {fmt.times(sp)} faster{ci} than strict FP32"
-    if hi is not None and hi < 0.98:
-        return f"was slower than FP32: {fmt.times(sp)} its throughput{ci}"
-    return f"was no faster than FP32 ({fmt.times(sp)}{ci})"
+        ci = f" (95% CI {fmt.ratio(lo)} to {fmt.ratio(hi)}{' over repeats' if repeats else ' within one run'})"
+    if repeats and not shaky:
+        if lo > 1.02:
+            return f"trained {fmt.times(sp)} faster{ci} than strict FP32", "faster"
+        if hi < 0.98:
+            return f"was slower than FP32: {fmt.times(sp)} its throughput{ci}", "slower"
+        return f"was no faster than FP32 ({fmt.times(sp)}{ci})", None
+    stage = f"its stage ran at {fmt.times(sp)} strict FP32's throughput{ci}"
+    p = r.get("paired")
+    if p:
+        rounds = f"{len(p['rounds'])} rounds in turns in one process, from {fmt.ratio(p['lo'])} to {fmt.ratio(p['hi'])}"
+        said = {"faster": f"trained {fmt.times(p['median'])} faster than strict FP32 in the paired check ({rounds})",
+                "slower": f"was slower than FP32 in the paired check: {fmt.times(p['median'])} its throughput "
+                          f"({rounds})"}.get(p.get("claim"))
+        if said is None:
+            enough = len(p["rounds"]) >= summary["paired"].get("claim_rounds", 5)
+            said = (f"was no faster than FP32 in the paired check ({fmt.times(p['median'])}, {rounds}"
+                    + ("" if enough else f"; {summary['paired'].get('claim_rounds', 5)} rounds agreeing are needed "
+                       "to call it faster or slower") + ")")
+        text = f"{said}; {stage}"
+        if sp is not None and not p["lo"] / DISAGREE <= sp <= p["hi"] * DISAGREE:
+            text += (". The two disagree: trust the paired check, which a drift between the stages (another tenant, "
+                     "a throttled clock) cannot fake")
+        return text, p.get("claim")
+    why = "set train.repeats: 2 or more, or paired.enabled: true, for a claim"
+    if (r.get("accum_steps") or 1) > 1 or (r.get("world_size") or 1) > 1:
+        why = "set train.repeats: 2 or more for a claim (the paired check times one process without accumulation)"
+    return f"ran at {fmt.times(sp)} strict FP32's throughput{ci}: one run each, not enough to call it faster or " \
+           f"slower; {why}", None
 
 
 def _memory(r: dict) -> str:
@@ -81,9 +119,14 @@ def verdict(summary: dict, env: dict) -> str:
     label = precision.label(r.get("precision")) if r.get("precision") in precision.RUNGS \
         else str(r.get("precision")).upper()
     label += ", eager" if r.get("eager") else ""
-    text = f"On {where}, {name} ({label}) {_speed(r)}, {_memory(r)}{_accuracy(r, base)}."
-    lo = (r.get("speedup_ci95") or [None])[0]
-    if not (lo is not None and lo > 1.02):
+    said, claim = speed(r, summary, name)
+    text = f"On {where}, {name} ({label}) {said}, {_memory(r)}{_accuracy(r, base)}."
+    shaky = unsteady(summary, name, base_name)
+    if shaky:
+        text += (" The machine was not steady while these ran (" + "; ".join(shaky) + "), so no speedup is claimed "
+                 "from their stages: rerun on a quiet machine" + (", or trust the paired check" if r.get("paired")
+                                                                  else "") + ".")
+    if claim != "faster":
         reasons = _reasons(r, base, env)
         if reasons:
             text += " Why: " + "; ".join(reasons) + "."

@@ -117,6 +117,7 @@ class Metrics(TypedDict, total=False):
     profile: dict
     not_made: dict[str, str]
     gpu_sm_clock_mhz_median: float | None
+    gpu_sm_clock_mhz_p10_p90: list[float] | None  # while the GPU was busy (utilisation >= 50%)
     gpu_temperature_c_median: float | None
     gpu_power_w_median: float | None
     energy_per_image_j: float | None

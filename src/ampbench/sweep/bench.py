@@ -54,12 +54,12 @@ class Bench:
                              shuffle=True, channels_last=self.cfg.model.channels_last, seed=self.cfg.seed,
                              out_size=self.input_size)
 
-    def run(self, batch: int, steps: int, feed: DeviceBatches | None = None) -> clock.StepClock:
-        """``WARMUP`` untimed then ``steps`` timed optimizer steps at ``batch``, on the trainer's clock."""
+    def run(self, batch: int, steps: int, feed: DeviceBatches | None = None, warmup: int = WARMUP) -> clock.StepClock:
+        """``warmup`` untimed then ``steps`` timed optimizer steps at ``batch``, on the trainer's clock."""
         feed = feed or self.batches(batch)
-        timer = clock.StepClock(self.device, WARMUP)
+        timer = clock.StepClock(self.device, warmup)
         timer.begin()
-        for i in range(WARMUP + steps):
+        for i in range(warmup + steps):
             with timer.data():
                 x, y = next(feed.epoch(i))
             with timer.compute():

@@ -1,0 +1,106 @@
+"""A busy machine cannot fake a speedup: the steadiness guard, the paired check (drift lands on every precision
+alike), and a verdict that claims faster or slower only from repeats or the paired check."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from ampbench import config, data
+from ampbench.measure import stats
+from ampbench.report import summary, verdict
+from ampbench.sweep import paired
+from ampbench.train import step
+
+
+def test_a_run_whose_second_half_ran_2x_slower_is_unsteady_and_a_steady_one_is_not():
+    rng = torch.Generator().manual_seed(0)
+    steady = (100 + 3 * torch.randn(60, generator=rng)).tolist()  # 3% noise, as a quiet GPU's fixed-shape steps
+    assert stats.steadiness(steady)["unsteady"] == []
+    slowed = steady[:30] + [2 * t for t in steady[30:]]
+    st = stats.steadiness(slowed)
+    assert st["drift"] == pytest.approx(2.0, rel=0.1) and len(st["unsteady"]) == 2  # spread and drift
+    assert any("2.0" in u and "slower by the last third" in u for u in st["unsteady"])
+    spiky = [100.0 if i % 3 else 250.0 for i in range(60)]  # a third of the steps 2.5x: another tenant's bursts
+    assert stats.steadiness(spiky)["unsteady"] and stats.steadiness(spiky)["drift"] == pytest.approx(1.0)
+    assert "SM clock moved" in stats.steadiness(steady, [1400.0, 1980.0])["unsteady"][0]
+    assert stats.steadiness(steady, [1965.0, 1980.0])["unsteady"] == []
+    assert stats.steadiness([1.0] * 5) is None  # too few steps to tell
+
+
+def _run(name: str, prec: str, ms: list[float], imgs_per_s: float, repeats: list[float] | None = None) -> dict:
+    m = {"variant": name, "precision": prec, "accum_steps": 1, "imgs_per_s": imgs_per_s, "epoch_time_s": 1.0,
+         "peak_mem_bytes": 100, "activation_bytes": 10, "final_acc": 0.5, "step_time_ms": {"median": ms[0]}}
+    if repeats:
+        m["imgs_per_s_runs"] = repeats
+    return {"metrics": m, "history": [], "step_times_ms": ms}
+
+
+def _paired(ratios: list[float]) -> dict:
+    return {"enabled": True, "device": "cuda", "batch": 256, "rounds": len(ratios), "steps": 5,
+            "order": "rotated each round", "claim_rounds": 5, "margin": 0.02, "not_made": {},
+            "vs_fp32": {"fp16": {"median": sorted(ratios)[len(ratios) // 2], "lo": min(ratios), "hi": max(ratios),
+                                 "rounds": ratios, "claim": paired.claim(ratios)}}}
+
+
+def _verdict(runs: dict, paired_json: dict | None = None) -> str:
+    s = summary.summarize(runs, paired_json=paired_json)
+    return verdict.verdict(s, {"gpu": {"name": "NVIDIA H100", "tensor_cores": True}})
+
+
+def test_the_verdict_claims_a_speedup_from_repeats_or_the_paired_check_never_from_one_runs_interval():
+    fp32, amp = [100.0] * 30, [50.0] * 30
+    runs = {"fp32": _run("fp32", "fp32", fp32, 1000.0), "amp": _run("amp", "fp16", amp, 2000.0)}
+    one = _verdict(runs)
+    assert "2.00x strict FP32's throughput (95% CI 2.00 to 2.00 within one run): one run each, not enough" in one
+    assert "faster" not in one.split("not enough")[0]
+    claimed = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05]))
+    assert "amp (FP16-AMP) trained 2.00x faster than strict FP32 in the paired check (5 rounds" in claimed
+    assert "its stage ran at 2.00x" in claimed and "disagree" not in claimed
+    few = _verdict(runs, _paired([1.9, 2.0, 2.1]))
+    assert "was no faster than FP32 in the paired check" in few and "5 rounds agreeing are needed" in few
+    mixed = _verdict(runs, _paired([0.9, 1.1, 1.0, 1.05, 0.95]))
+    assert "was no faster than FP32 in the paired check (1.00x" in mixed
+    # the busy machine: fp16 emulated on a CPU, its stage 6.4x fp32's because fp32's stage ran while another tenant
+    # loaded the machine; the paired check, timed in turns, says 0.1x
+    busy = {"fp32": _run("fp32", "fp32", [100.0] * 15 + [640.0] * 15, 100.0), "amp": _run("amp", "fp16", amp, 640.0)}
+    said = _verdict(busy, _paired([0.09, 0.1, 0.11, 0.1, 0.1]))
+    assert said.startswith("On NVIDIA H100, amp (FP16-AMP) was slower than FP32 in the paired check: 0.10x")
+    assert "The two disagree: trust the paired check" in said
+    assert "The machine was not steady while these ran (`fp32`: its step times spread" in said
+    assert "no speedup is claimed from their stages" in said
+    # repeats: the t-interval over them decides, as before
+    reps = {"fp32": _run("fp32", "fp32", fp32, 1000.0, [1000.0, 1010.0, 990.0]),
+            "amp": _run("amp", "fp16", amp, 2000.0, [2000.0, 1990.0, 2010.0])}
+    assert "trained 2.00x faster (95% CI" in _verdict(reps) and "over repeats) than strict FP32" in _verdict(reps)
+
+
+def test_the_paired_check_is_not_fooled_by_a_machine_that_slows_down(tmp_path, monkeypatch):
+    """A machine that gets slower with every step (another tenant ramping up), the steps themselves the same work:
+    timing fp32 and then tf32 one after the other, as the stages run, makes tf32 look far slower; the paired check,
+    its windows in turns, finds them equal."""
+    data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=16), 0, tmp_path, tmp_path / "raw")
+    prepared = data.load_prepared(tmp_path, "cpu")
+    calls = []
+
+    def slowing(*args, **kwargs):  # a step of fixed work on a machine that slows: 1 ms more each step
+        calls.append(1)
+        time.sleep(0.02 + 0.001 * len(calls))
+        return torch.tensor(1.0)
+
+    monkeypatch.setattr(step, "train_step", slowing)
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "seed": 0,
+                            "train": {"batch_size": 8, "augment": False},
+                            "paired": {"rounds": 6, "steps": 2},
+                            "variants": {"fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"}}})
+    found = paired.run_paired(cfg, prepared, torch.device("cpu"))
+    got = found["vs_fp32"]["tf32"]
+    assert 0.8 < got["median"] < 1.25 and len(got["rounds"]) == 6 and got["claim"] is None
+    assert found["imgs_per_s"]["fp32"][0] > 1.5 * found["imgs_per_s"]["fp32"][-1]  # the machine did slow down
+    # the same windows one precision after the other: the drift lands on tf32
+    benches = {p: paired.Bench(cfg, prepared, torch.device("cpu"), p) for p in ("fp32", "tf32")}
+    calls.clear()
+    one_by_one = {p: [b.run(8, 2, warmup=1).imgs_per_s() for _ in range(6)] for p, b in benches.items()}
+    assert sum(one_by_one["tf32"]) / sum(one_by_one["fp32"]) < 0.75
