@@ -59,6 +59,9 @@ def test_the_verdict_claims_a_speedup_from_repeats_or_the_paired_check_never_fro
     claimed = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05]))
     assert "amp (FP16-AMP) trained 2.00x faster than strict FP32 in the paired check (5 rounds" in claimed
     assert "its stage ran at 2.00x" in claimed and "disagree" not in claimed
+    s = summary.summarize({**runs, "tf32": _run("tf32", "tf32", fp32, 1000.0)},
+                          paired_json=_paired([1.9, 2.0, 2.1, 1.95, 2.05]))
+    assert "amp (fp16) 2.00x strict fp32 (paired check: 2.00x)" in verdict.ladder_sentence(s, {"gpu": {"name": "x"}})
     few = _verdict(runs, _paired([1.9, 2.0, 2.1]))
     assert "was no faster than FP32 in the paired check" in few and "5 rounds agreeing are needed" in few
     mixed = _verdict(runs, _paired([0.9, 1.1, 1.0, 1.05, 0.95]))

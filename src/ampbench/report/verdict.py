@@ -216,7 +216,8 @@ def ladder_sentence(summary: dict, env: dict) -> str:
             continue
         against = f", {fmt.times(r['vs_tf32'])} TF32" if r.get("vs_tf32") is not None else ""
         label = name if name == fmt.precision(r) else f"{name} ({fmt.precision(r)})"
-        parts.append(f"{label} {fmt.times(r['speedup'])} strict fp32{against}")
+        paired = f" (paired check: {fmt.times(r['paired']['median'])})" if r.get("paired") else ""
+        parts.append(f"{label} {fmt.times(r['speedup'])} strict fp32{paired}{against}")
     if not parts:
         return ""
     closest = (summary.get("roofline") or {}).get("closest_default")
