@@ -1,8 +1,8 @@
-"""Stage paired: every precision the variants train in, timed in short windows taken in turns in one process.
+"""Stage paired: the one-process variants, timed in short windows taken in turns in one process.
 
     python stages/paired.py --params params.yaml --data data/prepared --env reports/env.json --out reports/paired.json
 
-Writes paired.json: each precision's img/s per round and its ratios to fp32, round by round (``ampbench.sweep.paired``).
+Writes paired.json: each variant's img/s per round and its ratios to fp32's, round by round (``ampbench.sweep.paired``).
 """
 
 import argparse
@@ -30,16 +30,20 @@ def main() -> None:
 
     import torch
 
-    from ampbench import data, env
+    from ampbench import data, env, models
+    from ampbench.errors import analysis
     from ampbench.sweep import paired
     info = json.loads(Path(args.env).read_text())
-    device = torch.device(env.resolve_device(cfg.device, info, set(paired.precisions(cfg))))
+    device = torch.device(env.resolve_device(cfg.device, info, {cfg.variants[n].precision
+                                                                for n in paired.variants(cfg)}))
     prepared = data.load_prepared(Path(args.data), device, stream=True)
-    result = paired.run_paired(cfg, prepared, device)
+    # an analysis: one that fails is said, and the report says so; the pipeline goes on
+    result, why = analysis("paired", models.name(cfg.model), paired.run_paired, cfg, prepared, device)
+    result = result or {"enabled": True, "error": why, "vs_fp32": {}}
     write_json(Path(args.out), result)
-    said = "; ".join(f"{p} {r['median']:.2f}x fp32 (rounds {r['lo']:.2f} to {r['hi']:.2f})"
-                     for p, r in result["vs_fp32"].items())
-    print(f"paired: {result['rounds']} rounds of {result['steps']} steps at batch {result['batch']}: "
+    said = "; ".join(f"{n} {r['median']:.2f}x fp32 (rounds {r['lo']:.2f} to {r['hi']:.2f})"
+                     for n, r in result["vs_fp32"].items())
+    print(f"paired: {cfg.paired.rounds} rounds of {cfg.paired.steps} steps at batch {cfg.train.batch_size}: "
           f"{said or 'no ratio'} -> {args.out}")
 
 

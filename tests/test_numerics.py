@@ -117,6 +117,12 @@ def test_the_advice_of_a_stop_fits_the_cause_the_diagnosis_found(tiny, monkeypat
     fused = numerics.advice(d, "fp16", "fused", skipped=1)
     assert "optimizer_impl: foreach to rule that out first" in fused and "skipped 1 step(s)" in fused
     assert "optimizer_impl" not in numerics.advice(d, "fp16", "foreach", skipped=1)
+    state = numerics.advice({"nonfinite_state": ["0.weight"], "nonfinite_params": []}, "fp32", "fused")
+    assert state.startswith("The optimizer's state is inf/NaN while the weights are finite")
+    unmade = {"nonfinite_params": [], "first_bad_module": None, "not_made": "OutOfMemoryError: CUDA out of memory"}
+    assert "could not be replayed to find the cause (OutOfMemoryError" in numerics.advice(unmade, "fp16", "fused")
+    assert "did not persist" not in numerics.advice(unmade, "fp16", "fused")
+    assert "could not be replayed" in numerics.describe(unmade) and "none found" not in numerics.describe(unmade)
     w = nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
     opt.state[w]["momentum_buffer"] = torch.tensor([float("nan"), 0.0])

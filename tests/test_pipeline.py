@@ -79,13 +79,13 @@ def test_every_declared_output_exists(pipeline):
         assert json.loads((r / "runs" / v / "profile_trace.json").read_text())["traceEvents"]
     curves = (r / "curves.csv").read_text().splitlines()
     assert curves[0] == "variant,epoch,eval_acc,train_loss,eval_loss" and len(curves) == 1 + len(VARIANTS)
-    # the paired check: fp32, tf32 and fp16 in turns (amp_accum's accumulation is not in it), beside the stages
+    # the paired check: fp32, tf32 and amp in turns (amp_accum's accumulation is not in it), beside the stages
     found = json.loads((r / "paired.json").read_text())
-    assert set(found["imgs_per_s"]) == {"fp32", "tf32", "fp16"} and set(found["vs_fp32"]) == {"tf32", "fp16"}
-    assert all(len(v) == 2 for v in found["imgs_per_s"].values())
+    assert set(found["imgs_per_s"]) == {"fp32", "tf32", "amp"} and set(found["vs_fp32"]) == {"tf32", "amp"}
+    assert all(len(v) == 2 for v in found["imgs_per_s"].values()) and found["baseline"] == "fp32"
     assert "## Steadiness and the paired check" in md and "| amp | fp16 |" in md
-    assert summary["variants"]["amp"]["paired"]["rounds"] == found["vs_fp32"]["fp16"]["rounds"]
-    assert "5 rounds agreeing are needed" in md_lines[2]  # 2 rounds: measured, no claim
+    assert summary["variants"]["amp"]["paired"]["rounds"] == found["vs_fp32"]["amp"]["rounds"]
+    assert "6 rounds agreeing are needed" in md_lines[2]  # 2 rounds: measured, no claim
 
 
 def test_dvc_metrics_plots_and_lock(pipeline):

@@ -40,9 +40,9 @@ def _run(name: str, prec: str, ms: list[float], imgs_per_s: float, repeats: list
 
 def _paired(ratios: list[float]) -> dict:
     return {"enabled": True, "device": "cuda", "batch": 256, "rounds": len(ratios), "steps": 5,
-            "order": "rotated each round", "claim_rounds": 5, "margin": 0.02, "not_made": {},
-            "vs_fp32": {"fp16": {"median": sorted(ratios)[len(ratios) // 2], "lo": min(ratios), "hi": max(ratios),
-                                 "rounds": ratios, "claim": paired.claim(ratios)}}}
+            "order": "rotated each round", "claim_rounds": 6, "margin": 0.02, "not_made": {}, "baseline": "fp32",
+            "vs_fp32": {"amp": {"median": sorted(ratios)[len(ratios) // 2], "lo": min(ratios), "hi": max(ratios),
+                                "rounds": ratios, "claim": paired.claim(ratios), "precision": "fp16"}}}
 
 
 def _verdict(runs: dict, paired_json: dict | None = None) -> str:
@@ -56,20 +56,20 @@ def test_the_verdict_claims_a_speedup_from_repeats_or_the_paired_check_never_fro
     one = _verdict(runs)
     assert "2.00x strict FP32's throughput (95% CI 2.00 to 2.00 within one run): one run each, not enough" in one
     assert "faster" not in one.split("not enough")[0]
-    claimed = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05]))
-    assert "amp (FP16-AMP) trained 2.00x faster than strict FP32 in the paired check (5 rounds" in claimed
+    claimed = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05, 2.0]))
+    assert "amp (FP16-AMP) trained 2.00x faster than strict FP32 in the paired check (6 rounds" in claimed
     assert "its stage ran at 2.00x" in claimed and "disagree" not in claimed
     s = summary.summarize({**runs, "tf32": _run("tf32", "tf32", fp32, 1000.0)},
-                          paired_json=_paired([1.9, 2.0, 2.1, 1.95, 2.05]))
+                          paired_json=_paired([1.9, 2.0, 2.1, 1.95, 2.05, 2.0]))
     assert "amp (fp16) 2.00x strict fp32 (paired check: 2.00x)" in verdict.ladder_sentence(s, {"gpu": {"name": "x"}})
-    few = _verdict(runs, _paired([1.9, 2.0, 2.1]))
-    assert "was no faster than FP32 in the paired check" in few and "5 rounds agreeing are needed" in few
-    mixed = _verdict(runs, _paired([0.9, 1.1, 1.0, 1.05, 0.95]))
+    few = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05]))
+    assert "was no faster than FP32 in the paired check" in few and "6 rounds agreeing are needed" in few
+    mixed = _verdict(runs, _paired([0.9, 1.1, 1.0, 1.05, 0.95, 1.0]))
     assert "was no faster than FP32 in the paired check (1.00x" in mixed
     # the busy machine: fp16 emulated on a CPU, its stage 6.4x fp32's because fp32's stage ran while another tenant
     # loaded the machine; the paired check, timed in turns, says 0.1x
     busy = {"fp32": _run("fp32", "fp32", [100.0] * 15 + [640.0] * 15, 100.0), "amp": _run("amp", "fp16", amp, 640.0)}
-    said = _verdict(busy, _paired([0.09, 0.1, 0.11, 0.1, 0.1]))
+    said = _verdict(busy, _paired([0.09, 0.1, 0.11, 0.1, 0.1, 0.1]))
     assert said.startswith("On NVIDIA H100, amp (FP16-AMP) was slower than FP32 in the paired check: 0.10x")
     assert "The two disagree: trust the paired check" in said
     assert "The machine was not steady while these ran (`fp32`: its step times spread" in said
@@ -78,6 +78,12 @@ def test_the_verdict_claims_a_speedup_from_repeats_or_the_paired_check_never_fro
     reps = {"fp32": _run("fp32", "fp32", fp32, 1000.0, [1000.0, 1010.0, 990.0]),
             "amp": _run("amp", "fp16", amp, 2000.0, [2000.0, 1990.0, 2010.0])}
     assert "trained 2.00x faster (95% CI" in _verdict(reps) and "over repeats) than strict FP32" in _verdict(reps)
+    reps["fp32"]["metrics"]["repeats"] = reps["amp"]["metrics"]["repeats"] = 2  # each repeat's steps judged alone
+    reps["fp32"]["step_times_ms"] = [100.0] * 15 + [250.0] * 15 + [100.0] * 30  # the first repeat slowed
+    shaky = _verdict(reps)
+    assert "over repeats), but on a machine that was not steady: no claim from it" in shaky and "faster" not in shaky
+    reps["fp32"]["step_times_ms"] = [100.0] * 30 + [250.0] * 30  # steady within each repeat: repeats' spread
+    assert "trained 2.00x faster" in _verdict(reps)
 
 
 def test_the_paired_check_is_not_fooled_by_a_machine_that_slows_down(tmp_path, monkeypatch):
@@ -93,7 +99,13 @@ def test_the_paired_check_is_not_fooled_by_a_machine_that_slows_down(tmp_path, m
         time.sleep(0.02 + 0.001 * len(calls))
         return torch.tensor(1.0)
 
-    monkeypatch.setattr(step, "train_step", slowing)
+    seen = []  # each step's precision and the TF32 switch it ran under (the process's: set per window)
+
+    def slowing_recorded(model, opt, scaler, policy, *args, **kwargs):
+        seen.append((policy.precision, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32))
+        return slowing()
+
+    monkeypatch.setattr(step, "train_step", slowing_recorded)
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "seed": 0,
                             "train": {"batch_size": 8, "augment": False},
                             "paired": {"rounds": 6, "steps": 2},
@@ -101,6 +113,8 @@ def test_the_paired_check_is_not_fooled_by_a_machine_that_slows_down(tmp_path, m
     found = paired.run_paired(cfg, prepared, torch.device("cpu"))
     got = found["vs_fp32"]["tf32"]
     assert 0.8 < got["median"] < 1.25 and len(got["rounds"]) == 6 and got["claim"] is None
+    # each window runs under its own variant's TF32 switch, though every bench was built before the rounds
+    assert {(p, a, b) for p, a, b in seen} == {("fp32", False, False), ("tf32", True, True)}
     assert found["imgs_per_s"]["fp32"][0] > 1.5 * found["imgs_per_s"]["fp32"][-1]  # the machine did slow down
     # the same windows one precision after the other: the drift lands on tf32
     benches = {p: paired.Bench(cfg, prepared, torch.device("cpu"), p) for p in ("fp32", "tf32")}

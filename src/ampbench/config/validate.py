@@ -35,9 +35,12 @@ def _where(path: str, value: Any) -> str:
 
 
 def _check_scalar(path: str, value: Any, typ: Any, meta: dict) -> Any:
-    if isinstance(typ, types.UnionType):  # one of several types (bool | str: true, false or a word)
+    if isinstance(typ, types.UnionType):  # one of several types (bool | str: true, false or a word from choices)
         typ = next((t for t in typ.__args__ if isinstance(value, t) and (t is bool or not isinstance(value, bool))),
-                   typ.__args__[0])
+                   None)
+        if typ is None:
+            allowed = " | ".join(str(c).lower() if isinstance(c, bool) else c for c in meta["choices"])
+            raise ConfigError(f"{_where(path, value)} is not allowed; choose one of: {allowed}")
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     ok = isinstance(value, typ) and (typ is bool or not isinstance(value, bool))

@@ -85,7 +85,7 @@ def summary(rows: list[dict], imgs_per_s: float | None) -> dict:
     # a moving clock): the steadiness guard's third measure
     busy = [float(r["gpu_sm_clock_mhz"]) for r in rows if r.get("gpu_sm_clock_mhz") not in (None, "")
             and float(r.get("gpu_util_percent") or 0) >= BUSY_PERCENT]
-    deciles = statistics.quantiles(busy, n=10) if len(busy) >= 2 else None
+    deciles = statistics.quantiles(busy, n=10, method="inclusive") if len(busy) >= 2 else None  # within the data
     return {"gpu_sm_clock_mhz_median": median("gpu_sm_clock_mhz"),
             "gpu_sm_clock_mhz_p10_p90": [deciles[0], deciles[-1]] if deciles else None,
             "gpu_temperature_c_median": median("gpu_temperature_c"), "gpu_power_w_median": power,

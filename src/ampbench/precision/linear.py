@@ -19,7 +19,8 @@ def end_names(model) -> set[str]:
     says otherwise (torchao advises against converting the output layer): its first layer (the first module with
     parameters of its own, when it is a Linear) and its classifier head (the last Linear it registers)."""
     from torch import nn
-    owning = [(n, m) for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    # the root's own parameters (a ViT's class token) are no layer
+    owning = [(n, m) for n, m in model.named_modules() if n and next(m.parameters(recurse=False), None) is not None]
     out = {owning[0][0]} if owning and isinstance(owning[0][1], nn.Linear) else set()
     linears = [n for n, m in owning if isinstance(m, nn.Linear)]
     return out | set(linears[-1:])
@@ -78,7 +79,8 @@ class LinearRung(Rung):
         return out
 
     def measured_column(self, converted: int | None) -> str:
-        return self.datasheet if converted else "bf16"  # a run that converted nothing ran in bf16
+        # a run that converted nothing ran in bf16; one whose count could not be made (None) ran as its census said
+        return "bf16" if converted == 0 else self.datasheet
 
     def runs_on(self, row: dict) -> bool:
         return bool(row.get(self.datasheet))  # without its tensor cores, not at all, whatever the model

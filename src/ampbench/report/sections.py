@@ -289,11 +289,14 @@ def steadiness(summary: dict, env: dict, runs: dict) -> list[str]:
     p = summary.get("paired")
     if not p:
         return lines + ["No paired check ran (paired.enabled: false).", ""]
-    lines += [f"The paired check: each precision timed for {p['steps']} optimizer steps at batch {p['batch']}, in "
-              f"turns in one process ({p['order']}), {p['rounds']} rounds; each round's ratio is to fp32's window of "
-              f"the same round, so a drift lands on every precision alike. A precision is called faster (slower) "
-              f"only when all of at least {p['claim_rounds']} rounds say so by more than {p['margin']:.0%} (a sign "
-              "test: 3% by chance).", "",
+    if p.get("error"):
+        return lines + [f"The paired check could not be made ({p['error']}).", ""]
+    lines += [f"The paired check: each one-process variant without accumulation timed for {p['steps']} optimizer "
+              f"steps at batch {p['batch']} as its train stage runs it, in turns in one process ({p['order']}), "
+              f"{p['rounds']} rounds; each round's ratio is to `{p['baseline']}`'s window of the same round, so a "
+              f"drift lands on every variant alike. A variant is called faster (slower) only when all of at least "
+              f"{p['claim_rounds']} rounds say so by more than {p['margin']:.0%} (a two-sided sign test: "
+              f"{2 * 0.5 ** p['claim_rounds']:.0%} by chance).", "",
               "| variant | precision | paired: median vs fp32 | rounds | claim | its stage vs fp32 |",
               "|---|---|---|---|---|---|"]
     for name, r in rows.items():
@@ -302,7 +305,7 @@ def steadiness(summary: dict, env: dict, runs: dict) -> list[str]:
             lines.append(f"| {name} | {fmt.precision(r)} | {fmt.times(got['median'])} | "
                          + ", ".join(fmt.ratio(x) for x in got["rounds"])
                          + f" | {got.get('claim') or 'none'} | {fmt.times(r.get('speedup'))} |")
-    lines += [""] + [f"Not in the paired check: {p_} ({why})." for p_, why in (p.get("not_made") or {}).items()]
+    lines += [""] + [f"Not in the paired check: `{n}` ({why})." for n, why in (p.get("not_made") or {}).items()]
     return lines + ([""] if p.get("not_made") else [])
 
 

@@ -140,7 +140,9 @@ def _variant(name: str, run: dict, base: dict | None, target_acc: float, tf32: d
         reached = time_to_accuracy(run["history"], target_acc)
         row["time_to_target_s"], row["time_to_target_epoch"] = reached or (None, None)
     row["imgs_per_s_p10_p90"] = m.get("imgs_per_s_p10_p90")
-    row["steadiness"] = stats.steadiness(run.get("step_times_ms") or [], m.get("gpu_sm_clock_mhz_p10_p90"))
+    # within one training (repeats' steps are joined: the first repeat's), where the work per step is the same
+    ms = run.get("step_times_ms") or []
+    row["steadiness"] = stats.steadiness(ms[:len(ms) // max(1, row["repeats"])], m.get("gpu_sm_clock_mhz_p10_p90"))
     if base is not None:
         bm = base["metrics"]
         row.update(speedup_with_ci(base, run))
@@ -182,13 +184,13 @@ def summarize(runs: dict[str, dict], target_acc: float = 0.0, sweep_json: dict |
 
 
 def paired(found: dict | None, rows: dict[str, dict]) -> dict | None:
-    """The paired check (``sweep.paired``), and on each one-process variant without accumulation its precision's
-    ratio to fp32 there (``row["paired"]``): what the verdict claims from when repeats are 1."""
+    """The paired check (``sweep.paired``), and on each variant it timed that variant's ratio to the baseline's
+    there (``row["paired"]``): what the verdict claims from when repeats are 1."""
     if not found or not found.get("enabled"):
         return None
-    for r in rows.values():
-        got = (found.get("vs_fp32") or {}).get(r["precision"])
-        if got and r["accum_steps"] == 1 and (r.get("world_size") or 1) == 1:
+    for name, r in rows.items():
+        got = (found.get("vs_fp32") or {}).get(name)
+        if got:
             r["paired"] = got
     return found
 

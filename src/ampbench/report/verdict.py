@@ -49,7 +49,10 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
     ci = ""
     if lo is not None and hi is not None:
         ci = f" (95% CI {fmt.ratio(lo)} to {fmt.ratio(hi)}{' over repeats' if repeats else ' within one run'})"
-    if repeats and not shaky:
+    if repeats and shaky:
+        return (f"ran at {fmt.times(sp)} strict FP32's throughput{ci}, but on a machine that was not steady: no "
+                "claim from it"), None
+    if repeats:
         if lo > 1.02:
             return f"trained {fmt.times(sp)} faster{ci} than strict FP32", "faster"
         if hi < 0.98:
@@ -63,9 +66,9 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
                 "slower": f"was slower than FP32 in the paired check: {fmt.times(p['median'])} its throughput "
                           f"({rounds})"}.get(p.get("claim"))
         if said is None:
-            enough = len(p["rounds"]) >= summary["paired"].get("claim_rounds", 5)
+            enough = len(p["rounds"]) >= summary["paired"].get("claim_rounds", 6)
             said = (f"was no faster than FP32 in the paired check ({fmt.times(p['median'])}, {rounds}"
-                    + ("" if enough else f"; {summary['paired'].get('claim_rounds', 5)} rounds agreeing are needed "
+                    + ("" if enough else f"; {summary['paired'].get('claim_rounds', 6)} rounds agreeing are needed "
                        "to call it faster or slower") + ")")
         text = f"{said}; {stage}"
         if sp is not None and not p["lo"] / DISAGREE <= sp <= p["hi"] * DISAGREE:

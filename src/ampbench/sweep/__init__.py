@@ -55,7 +55,7 @@ def code_digest() -> str:
 
 
 def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerprint: str, model_source: dict,
-              code: str) -> str:
+              code: str, compiled: bool = False) -> str:
     """A hash of everything one point's numbers depend on: its settings, the data, the machine, the model's
     source (a user's factory; torchvision's version for a tv: model) and this code (``code_digest``)."""
     parts = {"precision": precision, "batch": batch, "steps": cfg.sweep.steps, "seed": cfg.seed,
@@ -67,6 +67,8 @@ def point_key(cfg: Config, precision: str, batch: int, meta: dict, env_fingerpri
              "env": env_fingerprint, "model_source": model_source, "code": code}
     if runplan.recipe(cfg, precision):  # a rung with recipes: the one it runs
         parts["recipe"] = runplan.recipe(cfg, precision)
+    if compiled:  # an fp8 point compiled (train.compile auto, on CUDA) is not the same measurement as an eager one
+        parts["compiled"] = True
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -145,9 +147,10 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
             failed += [{"precision": precision, "batch_size": b, "error": why} for b in cfg.sweep.batch_sizes]
             continue
         points, budget = [], PointBudget(cfg, device)
+        compiled = runplan.for_precision(cfg, precision, device.type).train.compile
         for batch in sorted(cfg.sweep.batch_sizes):
             path = points_dir / f"{precision}-{batch}.json"
-            key = point_key(cfg, precision, batch, prepared["meta"], env_fingerprint, model_source, code)
+            key = point_key(cfg, precision, batch, prepared["meta"], env_fingerprint, model_source, code, compiled)
             old = json.loads(path.read_text()) if path.is_file() else {}
             if old.get("key") == key:
                 point, reused = old, reused + 1
@@ -168,7 +171,7 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
                          "imgs_per_s_p10": spread[0], "imgs_per_s_p90": spread[1], "oom": bool(point.get("oom"))})
         if cfg.sweep.find_max:  # reused while its inputs (and the points it starts from) are unchanged
             key = hashlib.sha256(json.dumps([point_key(cfg, precision, 0, prepared["meta"], env_fingerprint,
-                                                       model_source, code), [p["key"] for p in points],
+                                                       model_source, code, compiled), [p["key"] for p in points],
                                              limit_bytes(cfg, device)[0]]).encode()).hexdigest()[:16]
             before = known_max.get(precision) or {}
             if before.get("key") == key and before.get("method") not in ("stopped", "failed"):  # errors: again
@@ -188,7 +191,7 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
               "batch_sizes": list(cfg.sweep.batch_sizes), "steps": cfg.sweep.steps, "warmup": WARMUP, "points": rows,
               "largest": largest, "reused_points": reused, "measured_points": len(rows) - reused,
               "not_made": failed, "left_out": left_out,
-              "eager": [p for p in precisions if rung(p).fast_compiled
+              "eager": [p for p in precisions if rung(p).fast_compiled  # each point's key holds whether it compiled
                         and not runplan.for_precision(cfg, p, device.type).train.compile],
               "cpu_point_budget_s": cfg.sweep.cpu_point_budget_s if device.type == "cpu" else None}
     write_json(out / "max.json", largest)

@@ -21,9 +21,12 @@ WARMUP = 2  # untimed steps before each point's timed ones (allocation, cuDNN au
 class Bench:
     """One precision's setup on one device (the trainer's builder: ``train.setup.build``), and its batches."""
 
-    def __init__(self, cfg: Config, data: dict, device: torch.device, precision: str):
+    def __init__(self, cfg: Config, data: dict, device: torch.device, precision: str,
+                 plan: runplan.RunPlan | None = None):
+        """``plan``: a variant's own (the paired check); by default the sweep's plan of ``precision``."""
         self.cfg, self.data, self.device, self.precision = cfg, data, device, precision
-        s = setup.build(runplan.for_precision(cfg, precision, device.type), data["meta"], device)
+        self.plan = plan or runplan.for_precision(cfg, precision, device.type)
+        s = setup.build(self.plan, data["meta"], device)
         self.input_size = s.input_size
         self.model = s.model
         self.step_model = s.step_model

@@ -1,16 +1,18 @@
-"""The paired check: each precision the variants train in, timed in short windows taken in turns in one process.
+"""The paired check: each one-process variant without accumulation, timed in short windows taken in turns in one
+process.
 
     python stages/paired.py --params params.yaml --data data/prepared --env reports/env.json --out reports/paired.json
 
 The train stages run one after another, each in its own process, so whatever changes between them (another
 tenant on a shared GPU or CPU, a throttled clock, a warmer card) lands on one variant alone, and a bootstrap over
-one process's steps turns that into a narrow interval around the wrong ratio. Here every precision gets a window
-of ``paired.steps`` timed optimizer steps (the engine's own step, at train.batch_size, after one untimed step),
-and the windows go round in turns, ``paired.rounds`` times, the order rotated each round (A B C, B C A, C A B,
-...): a drift lands on every precision alike, and each round gives a ratio to fp32 measured minutes, not stages,
-apart. The report sets the rounds' median ratio beside the stages' and claims a precision faster (slower) than
-fp32 only where every round says so: with 5 rounds that happens by chance with probability 2^-5 = 3% (a sign
-test), so fewer than 5 rounds measure but claim nothing.
+one process's steps turns that into a narrow interval around the wrong ratio. Here every variant gets a window of
+``paired.steps`` timed optimizer steps (the engine's own step on the model, optimizer, compilation, recipe and
+TF32 setting its train stage uses, at train.batch_size, after one untimed step), and the windows go round in
+turns, ``paired.rounds`` times, the order rotated each round (A B C, B C A, C A B, ...): a drift lands on every
+variant alike, and each round gives a ratio to the strict-fp32 baseline measured seconds, not stages, apart. The
+report sets the rounds' median ratio beside the stages' and claims a variant faster (slower) than the baseline
+only where every round says so by more than ``MARGIN``: with 6 rounds chance does that with probability
+2 x 2^-6 = 3% (a two-sided sign test), so fewer than 6 rounds measure but claim nothing.
 """
 
 from __future__ import annotations
@@ -20,20 +22,27 @@ import time
 
 import torch
 
-from ampbench import models
-from ampbench.config import Config
-from ampbench.errors import analysis
-from ampbench.precision import BASELINE
+from ampbench import models, runplan
+from ampbench.config import Config, variant_world
+from ampbench.errors import analysis, first_line
+from ampbench.precision import BASELINE, set_tf32
 from ampbench.sweep.bench import Bench
 
-CLAIM_ROUNDS = 5  # rounds that agree before a ratio is called faster or slower (sign test, one-sided p = 2^-5)
+CLAIM_ROUNDS = 6  # rounds that agree before a ratio is called faster or slower (sign test, two-sided p = 2 x 2^-6)
 MARGIN = 0.02  # a round's ratio within 2% of 1 says neither
 
 
-def precisions(cfg: Config) -> list[str]:
-    """The precisions of the variants the verdict compares (one process, no accumulation), fp32 first."""
-    found = [v.precision for v in cfg.variants.values() if v.accum_steps == 1]
-    return list(dict.fromkeys([BASELINE, *found]))
+def variants(cfg: Config) -> list[str]:
+    """The variants the paired check times: one process, no accumulation (a step of the same work as the
+    baseline's), the baseline (strict fp32; named fp32 if several) first."""
+    found = [n for n, v in cfg.variants.items() if v.accum_steps == 1 and variant_world(cfg, n) == 1]
+    base = baseline(cfg, found)
+    return ([base] if base else []) + [n for n in found if n != base]
+
+
+def baseline(cfg: Config, names: list[str]) -> str | None:
+    strict = [n for n in names if cfg.variants[n].precision == BASELINE]
+    return "fp32" if "fp32" in strict else (strict[0] if strict else None)
 
 
 def claim(ratios: list[float]) -> str | None:
@@ -48,39 +57,50 @@ def claim(ratios: list[float]) -> str | None:
 
 
 def run_paired(cfg: Config, prepared: dict, device: torch.device) -> dict:
-    """Every precision's windows, in turns; its round-by-round img/s and ratios to fp32."""
+    """Every variant's windows, in turns; its round-by-round img/s and ratios to the baseline's."""
     batch, rounds, steps = cfg.train.batch_size, cfg.paired.rounds, cfg.paired.steps
-    benches, not_made = {}, {}
-    for p in precisions(cfg):
-        bench, why = analysis("paired", f"{models.name(cfg.model)} ({p}: its setup)", Bench, cfg, prepared, device, p)
+    names = variants(cfg)
+    benches, feeds, not_made = {}, {}, {}
+
+    def window(name: str, n: int, warmup: int):
+        """``n`` timed steps of ``name`` (its TF32 switch set first: it is the process's, not the model's)."""
+        set_tf32(benches[name].plan.train.allow_tf32)
+        return benches[name].run(batch, n, feeds[name], warmup=warmup)
+
+    for name in names:
+        plan = runplan.make_plan(cfg, name, device.type)
+        bench, why = analysis("paired", f"{models.name(cfg.model)} ({name}: its setup)", Bench, cfg, prepared,
+                              device, plan.precision, plan)
         if bench is None:
-            not_made[p] = why
+            not_made[name] = why
             continue
         if batch % bench.multiple:
-            not_made[p] = f"batch {batch} is no multiple of {bench.multiple}, the micro-batches {p} runs"
+            not_made[name] = f"batch {batch} is no multiple of {bench.multiple}, the micro-batches it runs"
             continue
-        bench.feed = bench.batches(batch)
-        bench.run(batch, 1, bench.feed)  # warm: allocation, cuDNN's autotuning, compilation
-        benches[p] = bench
+        benches[name], feeds[name] = bench, bench.batches(batch)
+        try:
+            window(name, 1, 2)  # warm: allocation, cuDNN's autotuning, compilation
+        except Exception as err:  # e.g. out of memory beside the others: that variant is left out, said why
+            not_made[name] = first_line(err)
+            del benches[name], feeds[name]
     order = list(benches)
-    rates: dict[str, list[float]] = {p: [] for p in order}
+    base = baseline(cfg, order)
+    rates: dict[str, list[float]] = {n: [] for n in order}
     t0 = time.perf_counter()
-    for r in range(rounds if BASELINE in benches else 0):
-        turn = order[r % len(order):] + order[:r % len(order)]  # rotated: no precision always first
-        for p in turn:
-            timed = benches[p].run(batch, steps, benches[p].feed, warmup=1)
-            rates[p].append(timed.imgs_per_s())
-        print(f"[paired] round {r + 1}/{rounds}: " + ", ".join(f"{p} {rates[p][-1]:,.0f} img/s" for p in turn)
+    for r in range(rounds if base else 0):
+        turn = order[r % len(order):] + order[:r % len(order)]  # rotated: no variant always first
+        for name in turn:
+            rates[name].append(window(name, steps, 1).imgs_per_s() or 0.0)
+        print(f"[paired] round {r + 1}/{rounds}: " + ", ".join(f"{n} {rates[n][-1]:,.0f} img/s" for n in turn)
               + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     out = {"enabled": True, "device": device.type, "batch": batch, "rounds": rounds, "steps": steps,
-           "order": "rotated each round", "claim_rounds": CLAIM_ROUNDS, "margin": MARGIN, "not_made": not_made,
-           "imgs_per_s": rates, "vs_fp32": {}}
-    base = rates.get(BASELINE) or []
-    for p, series in rates.items():
-        if p == BASELINE or not base:
-            continue
-        ratios = [a / b for a, b in zip(series, base, strict=True) if a and b]
-        if ratios:
-            out["vs_fp32"][p] = {"median": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios),
-                                 "rounds": ratios, "claim": claim(ratios)}
+           "order": "rotated each round", "claim_rounds": CLAIM_ROUNDS, "margin": MARGIN, "baseline": base,
+           "not_made": not_made, "imgs_per_s": rates, "vs_fp32": {}}
+    if base is None and not not_made.get("fp32"):
+        out["why_no_ratio"] = "no one-process strict-fp32 variant without accumulation to take ratios against"
+    for name, series in rates.items():
+        ratios = [a / b for a, b in zip(series, rates.get(base) or [], strict=True) if a and b]
+        if name != base and ratios:
+            out["vs_fp32"][name] = {"precision": cfg.variants[name].precision, "median": statistics.median(ratios),
+                                    "lo": min(ratios), "hi": max(ratios), "rounds": ratios, "claim": claim(ratios)}
     return out

@@ -157,6 +157,9 @@ class Trainer:
         """Stop the run with a diagnosis: which module first produced inf/NaN, and which gradient."""
         x, y = self.last_batch
         self.peaks.close()  # the diagnosis's own passes are not training's
+        self.opt.zero_grad(set_to_none=True)  # room for the replay's copy beside the model (training is over)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.ledger.last_scale or 1.0,
                                            self.opt)
         self.diagnosis["reason"] = why

@@ -146,12 +146,16 @@ def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale
             if first["first_bad_grad"] is None and not torch.isfinite(g).all():
                 first["first_bad_grad"] = name
         handles.append(p.register_hook(bwd))
-    with autocast():
-        loss = F.cross_entropy(probe(x), y)
-    first["loss"] = float(loss.detach().float())
-    (loss * scale).backward()
-    for h in handles:
-        h.remove()
+    try:  # the replay must never hide the stop it explains (out of memory beside the trained model, say)
+        with autocast():
+            loss = F.cross_entropy(probe(x), y)
+        first["loss"] = float(loss.detach().float())
+        (loss * scale).backward()
+    except Exception as err:
+        first["not_made"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+    finally:
+        for h in handles:
+            h.remove()
     return first
 
 
@@ -164,13 +168,20 @@ def describe(d: dict) -> str:
         parts.append(f"weights already non-finite: {', '.join(d['nonfinite_params'])}")
     parts.append(f"first module with an inf/NaN output: {d.get('first_bad_module') or 'none found'}")
     parts.append(f"first parameter with an inf/NaN gradient: {d.get('first_bad_grad') or 'none found'}")
+    if d.get("not_made"):
+        parts = parts[:-2] + [f"the last batch could not be replayed ({d['not_made']})"]
     return "; ".join(parts)
 
 
 def advice(d: dict, precision: str, optimizer_impl: str, skipped: int = 0) -> str:
     """What to try, for the cause the diagnosis ``d`` found: weights an update wrote (the step's size, or a fused
-    kernel's state after skipped steps), an activation with finite weights (fp16's range, or the model), or nothing
-    left to see in a replay."""
+    kernel's state after skipped steps), an optimizer state gone non-finite under finite weights, an activation
+    with finite weights (fp16's range, or the model), a replay that could not be made, or nothing left to see."""
+    if d.get("nonfinite_state") and not d.get("nonfinite_params"):
+        return ("The optimizer's state is inf/NaN while the weights are finite: an optimizer step wrote it, and the "
+                "next will write it into the weights. Set this variant's optimizer_impl: foreach to see whether "
+                f"the {optimizer_impl} implementation is the cause; then train.clip_grad_norm (e.g. 1.0) or a lower "
+                "train.lr")
     if d.get("nonfinite_params"):
         text = ("An optimizer step wrote inf/NaN weights (the forward pass did not make them): the update was too "
                 "large, or the optimizer's state was wrong. ")
@@ -187,5 +198,8 @@ def advice(d: dict, precision: str, optimizer_impl: str, skipped: int = 0) -> st
     if module:
         return (f"With finite weights, {module}'s output was inf/NaN: the model diverges at this learning rate or "
                 "computes a NaN (0/0, log of 0). Lower train.lr, or set debug.detect_anomaly: true to find the op")
+    if d.get("not_made"):
+        return (f"The last batch could not be replayed to find the cause ({d['not_made']}): set "
+                "debug.detect_anomaly: true to stop at the op that produces the first inf/NaN")
     return ("A replay of the last batch was finite throughout, so the cause did not persist: set "
             "debug.detect_anomaly: true to stop at the op that produces the first inf/NaN")
