@@ -18,7 +18,7 @@ CPU_INFO = {"cuda_available": False, "torch": "2.x", "cuda_runtime": None, "gpu"
 
 
 def _gpu(**kw):
-    gpu = {"name": "Test GPU", "capability": "8.9", "driver": "550.54", "tensor_cores": True,
+    gpu = {"name": "NVIDIA GeForce RTX 4090", "capability": "8.9", "driver": "550.54", "tensor_cores": True,
            "bf16_supported": True, "tf32_capable": True}
     gpu.update(kw)
     return {"cuda_available": True, "torch": "2.x", "cuda_runtime": "12.4", "gpu": gpu}

@@ -43,7 +43,7 @@ def test_mxfp8_converts_every_linear_its_weight_reaches_and_counts_on_an_unconve
     b200 = roofline.table(ops, roofline.find_gpu("B200"), 64)
     assert b200["mxfp8"]["vs_fp32"] > 1 and b200["mxfp8"]["step_ms"] != b200["bf16"]["step_ms"]
     for gpu in ("H100 SXM", "RTX 5090"):  # no MX column: Hopper has none, 12.x is not measured
-        assert roofline.table(ops, roofline.find_gpu(gpu), 64)["mxfp8"] is None
+        assert "na" in roofline.table(ops, roofline.find_gpu(gpu), 64)["mxfp8"]
     hp = opcount.count(copy.deepcopy(_vit()), x, y, "mxfp8", opt, "mxfp8_rceil_wgrad_with_hp")
     assert len([op for op in hp if op.dtype.startswith("float8")]) == 18 * 2  # the weight's gradient in bf16
 

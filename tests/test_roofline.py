@@ -31,7 +31,13 @@ def test_resnet18_on_an_rtx_5090_gains_about_2x_from_fp16(resnet18_counted):
     assert table["tf32"]["vs_fp32"] == pytest.approx(1.0)  # a GeForce card's TF32 rate is its fp32 rate
     h100 = roofline.table(found["ops"], roofline.find_gpu("H100 SXM"), 256)
     assert h100["tf32"]["vs_fp32"] > 3 and 1.5 < h100["fp16"]["vs_tf32"] < 2.1
-    assert roofline.table(found["ops"], roofline.find_gpu("V100"), 256)["bf16"] is None  # no bf16 tensor cores
+    v100 = roofline.table(found["ops"], roofline.find_gpu("V100"), 256)
+    assert v100["bf16"] == {"na": "no bf16 tensor cores on V100"}
+    # no cell borrowed from another column: V100's tf32 is not fp32's figures, and nothing is taken against it
+    assert v100["tf32"]["na"].startswith("no TF32 on V100") and v100["fp16"]["vs_tf32"] is None
+    assert v100["fp16"]["vs_fp32"] > 1
+    b200 = roofline.table(found["ops"], roofline.find_gpu("B200"), 256)  # fp8 converts nothing in ResNet-18
+    assert b200["fp8"] == {"na": "fp8 converts no layer of this model: it would run bf16"} and "vs_fp32" in b200["bf16"]
     cast_bytes = sum(o.bytes for o in found["ops"]["fp16"] if o.name == "cast" and o.phase == "forward")
     params = sum(p.numel() for p in models.build(config.ModelConfig(), num_classes=10, image_size=32,
                                                  device="meta").parameters())
@@ -40,11 +46,26 @@ def test_resnet18_on_an_rtx_5090_gains_about_2x_from_fp16(resnet18_counted):
     assert not any(o.name == "unscale (GradScaler)" for o in found["ops"]["bf16"])
 
 
-def test_a_gpu_not_in_the_table_lists_the_close_matches():
+def test_a_gpu_name_finds_its_own_row_and_no_namesakes():
+    """A laptop part (a third of the compute), a China-market D part and a Grace Hopper superchip's GPU are not
+    their namesakes: no row, so no figures from another card; the command refuses them with the table's cards."""
+    from ampbench import env
+    from ampbench.measure.flops import datasheet_row
     assert roofline.find_gpu("rtx  5090")["name"] == "RTX 5090"
     assert roofline.find_gpu("NVIDIA A100-SXM4-80GB")["name"] == "A100 80GB SXM"  # torch's name for it
-    with pytest.raises(ConfigError, match="'RTX 5080' is not in the datasheet table; close: RTX 5090"):
-        roofline.find_gpu("RTX 5080")
+    found = {n: (datasheet_row(n) or {}).get("name") for n in (
+        "NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 4090", "NVIDIA H200", "NVIDIA H100 80GB HBM3",
+        "NVIDIA H100 PCIe", "Tesla V100-SXM2-16GB", "Tesla V100-PCIE-16GB", "NVIDIA GeForce RTX 3090")}
+    assert list(found.values()) == ["RTX 5090", "RTX 4090", "H200", "H100 SXM", "H100 PCIe", "V100", "V100 PCIe",
+                                    "RTX 3090"]
+    for part in ("NVIDIA GeForce RTX 4090 Laptop GPU", "NVIDIA GeForce RTX 5090 Laptop GPU",
+                 "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 5090 D", "NVIDIA GH200 480GB",
+                 "Tesla V100S-PCIE-32GB", "NVIDIA GeForce RTX 3090 Ti", "NVIDIA RTX A6000"):
+        assert datasheet_row(part) is None, part
+        with pytest.raises(ConfigError, match="is not in the datasheet table.*the table has: B200, H200 NVL"):
+            roofline.find_gpu(part)
+        warned = env.warnings_for({"gpu": {"name": part, "capability": "8.9", "tensor_cores": True}})
+        assert any(f"{part} is not in the datasheet table" in w and "n/a" in w for w in warned)
 
 
 def test_roofline_command_prints_every_gpu_and_refuses_a_bad_name(tmp_path):
@@ -54,7 +75,7 @@ def test_roofline_command_prints_every_gpu_and_refuses_a_bad_name(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "| RTX 5090 |" in out.stdout and "| H100 SXM |" in out.stdout and "What a roofline is" in out.stdout
     bad = subprocess.run(run + ["--gpu", "RTX 9999"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "close:" in bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "the table has: B200" in bad.stderr
 
 
 def test_env_check_counts_a_model_once_per_params_and_again_when_they_change(tmp_path, monkeypatch):

@@ -6,7 +6,7 @@
     ampbench mlflow-sync     # log the on-disk runs that are not in MLflow yet (after a tracking outage)
     ampbench mlflow-ui       # the MLflow UI on this repository's store, opened on the runs table
     ampbench compare         # what each precision bought on each machine logging to the team's tracking server
-    ampbench roofline --gpu "RTX 5090"   # what each precision could give there at most, for params.yaml's model
+    ampbench roofline --gpu "RTX 5090"   # each precision's least step time at datasheet peaks, params.yaml's model
     ampbench roofline --gpu all          # the same for every GPU in the datasheet table
     ampbench check-model tv:convnext_tiny   # will this model run? input size, roofline, fp8, one step per precision
 """
@@ -176,16 +176,22 @@ def roofline_cmd(args) -> None:
         print("\n".join(roofline_table(roofline.table(found["ops"], row, found["batch"]))))
     else:
         from ampbench.measure.flops import DATASHEET
+        notes: dict[tuple[str, str], list[str]] = {}
         print("| GPU | " + " | ".join(f"{p} img/s" for p in precisions) + " | "
               + " | ".join(f"{p} vs fp32" for p in precisions if p != "fp32") + " | fp16 vs tf32 |")
         print("|---|" + "---|" * (2 * len(precisions)))
         for _, row in DATASHEET:
             t = roofline.table(found["ops"], row, found["batch"])
-            ips = [f"{t[p]['imgs_per_s']:,.0f}" if t[p] else "n/a" for p in precisions]
-            vs = [fmt.times(t[p]["vs_fp32"]) if t[p] else "n/a" for p in precisions if p != "fp32"]
+            ips = [f"{t[p]['imgs_per_s']:,.0f}" if roofline.available(t[p]) else "n/a" for p in precisions]
+            vs = [fmt.times(t[p]["vs_fp32"]) if roofline.available(t[p]) else "n/a" for p in precisions if p != "fp32"]
             fp16 = t.get("fp16")
             print(f"| {row['name']} | " + " | ".join(ips) + " | " + " | ".join(vs)
-                  + f" | {fmt.times(fp16['vs_tf32']) if fp16 else 'n/a'} |")
+                  + f" | {fmt.times(fp16.get('vs_tf32')) if roofline.available(fp16) else 'n/a'} |")
+            for p, c in t.items():  # why a cell is n/a, the GPUs with the same reason together
+                if not roofline.available(c):
+                    notes.setdefault((p, c["na"].replace(row["name"], "{gpu}")), []).append(row["name"])
+        print("\nn/a: " + "; ".join(f"{p} on {', '.join(gpus)}: {why.replace('{gpu}', 'it')}"
+                                    for (p, why), gpus in notes.items()) + "." if notes else "")
         print("\nDense rates with FP32 accumulation, from: " + "; ".join(
             f"{row['name']}: {row['source']}" for _, row in DATASHEET) + ".")
     print("\n" + ROOFLINE_NOTE)

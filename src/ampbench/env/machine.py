@@ -155,6 +155,11 @@ def warnings_for(info: dict) -> list[str]:
     if not gpu["tensor_cores"]:
         out.append(f"{gpu['name']} (compute capability {gpu['capability']}) has no tensor cores: "
                    "fp16 will save memory but will not run much faster than fp32")
+    from ampbench.measure.flops import datasheet_row
+    if "MIG" not in gpu["name"] and datasheet_row(gpu["name"]) is None:
+        out.append(f"{gpu['name']} is not in the datasheet table (a laptop, D or Grace part is not its namesake's "
+                   "row): the report's roofline and share-of-peak figures are n/a for it (`ampbench roofline --gpu` "
+                   "lists the cards the table holds)")
     return out
 
 

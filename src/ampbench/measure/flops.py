@@ -40,17 +40,19 @@ _BLACKWELL = "NVIDIA RTX Blackwell GPU architecture whitepaper (FP32-accumulate 
 _ADA = "NVIDIA Ada GPU architecture whitepaper (FP32-accumulate tensor rates)"
 _AMPERE = "NVIDIA Ampere GA102 GPU architecture whitepaper (FP32-accumulate tensor rates)"
 
-# name pattern (first match wins: the specific before the general) -> name, cited source, GB/s, dense TFLOP/s
+# name pattern (first match wins: the specific before the general) -> name, cited source, GB/s, dense TFLOP/s.
+# A pattern matches the card it names and no other: not its laptop part (a third of the compute, 576 to 896 GB/s),
+# not a China-market "D" part, not a Grace Hopper superchip's GPU for an H100 or H200 row (``_NOT_THE_PART``).
 DATASHEET = [
     (r"\bB200\b", _row("B200", "NVIDIA HGX B200 datasheet, per GPU (600 TF FP32, 18 PF TF32*, 36 PF FP16*, "
                         "72 PF FP8* for 8; MXFP8 at the FP8 rate)", 8000, fp32=75.0, tf32=1125.0, fp16=2250.0,
                         fp8=4500.0, mxfp8=4500.0)),
-    (r"H200 NVL", _row("H200 NVL", _H200, 4800, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
-    (r"H200", _row("H200", _H200 + " (SXM)", 4800, fp32=67.0, tf32=494.7, fp16=989.4, fp8=1978.9)),
-    (r"H100 NVL", _row("H100 NVL", _HOPPER, 3900, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
-    (r"H100.*(SXM|HBM3)", _row("H100 SXM", _HOPPER + " (SXM5)", 3350, fp32=67.0, tf32=494.7, fp16=989.4,
-                                fp8=1978.9)),
-    (r"H100", _row("H100 PCIe", _HOPPER + " (PCIe)", 2000, fp32=51.2, tf32=378.0, fp16=756.0, fp8=1513.0)),
+    (r"\bH200 NVL\b", _row("H200 NVL", _H200, 4800, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
+    (r"\bH200\b", _row("H200", _H200 + " (SXM)", 4800, fp32=67.0, tf32=494.7, fp16=989.4, fp8=1978.9)),
+    (r"\bH100 NVL\b", _row("H100 NVL", _HOPPER, 3900, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
+    (r"\bH100\b.*(SXM|HBM3)", _row("H100 SXM", _HOPPER + " (SXM5)", 3350, fp32=67.0, tf32=494.7, fp16=989.4,
+                                    fp8=1978.9)),
+    (r"\bH100\b", _row("H100 PCIe", _HOPPER + " (PCIe)", 2000, fp32=51.2, tf32=378.0, fp16=756.0, fp8=1513.0)),
     (r"A100 80GB PCIe", _row("A100 80GB PCIe", _A100, 1935, fp32=19.5, tf32=156.0, fp16=312.0, fp8=None)),
     (r"A100.*80GB", _row("A100 80GB SXM", _A100, 2039, fp32=19.5, tf32=156.0, fp16=312.0, fp8=None)),
     (r"A100", _row("A100 40GB", _A100, 1555, fp32=19.5, tf32=156.0, fp16=312.0, fp8=None)),
@@ -59,21 +61,27 @@ DATASHEET = [
     (r"\bA40\b", _row("A40", "NVIDIA A40 datasheet", 696, fp32=37.4, tf32=74.8, fp16=149.7, fp8=None)),
     (r"\bA10\b", _row("A10", "NVIDIA A10 datasheet", 600, fp32=31.2, tf32=62.5, fp16=125.0, fp8=None)),
     # mixed-precision FP16 tensor cores, no TF32 or BF16
-    (r"V100", _row("V100", "NVIDIA V100 Tensor Core GPU datasheet", 900, fp32=15.7, tf32=None, fp16=125.0, fp8=None,
-                   bf16_as_fp16=False)),
+    (r"\bV100\b.*SXM", _row("V100", "NVIDIA V100 Tensor Core GPU datasheet (SXM2)", 900, fp32=15.7, tf32=None,
+                             fp16=125.0, fp8=None, bf16_as_fp16=False)),
+    (r"\bV100\b.*PCIE", _row("V100 PCIe", "NVIDIA Tesla V100 PCIe product brief PB-08744-001 (1370 MHz boost: 14 TF "
+                              "FP32, 112 TF tensor), as quoted by https://www.io-tech.fi/uutinen/nvidia-esitteli-"
+                              "tesla-v100-pci-express-kiihdyttimen-tieteelliseen-laskentaan/", 900, fp32=14.0,
+                              tf32=None, fp16=112.0, fp8=None, bf16_as_fp16=False)),
     (r"\bT4\b", _row("T4", "NVIDIA T4 datasheet", 320, fp32=8.1, tf32=None, fp16=65.0, fp8=None,
                      bf16_as_fp16=False)),
-    (r"RTX 5090", _row("RTX 5090", _BLACKWELL, 1792, fp32=104.8, tf32=104.8, fp16=209.5, fp8=419.0)),
-    (r"RTX 4090", _row("RTX 4090", _ADA, 1008, fp32=82.6, tf32=82.6, fp16=165.2, fp8=330.3)),
-    (r"RTX 3090(?! Ti)", _row("RTX 3090", _AMPERE, 936, fp32=35.6, tf32=35.6, fp16=71.0, fp8=None)),
+    (r"RTX 5090$", _row("RTX 5090", _BLACKWELL, 1792, fp32=104.8, tf32=104.8, fp16=209.5, fp8=419.0)),
+    (r"RTX 4090$", _row("RTX 4090", _ADA, 1008, fp32=82.6, tf32=82.6, fp16=165.2, fp8=330.3)),
+    (r"RTX 3090$", _row("RTX 3090", _AMPERE, 936, fp32=35.6, tf32=35.6, fp16=71.0, fp8=None)),
 ]
+_NOT_THE_PART = re.compile(r"Laptop|Mobile|Max-Q|\bGH200\b|\bGH100\b|\bGB200\b")
 
 
 def datasheet_row(gpu_name: str | None) -> dict | None:
     """The datasheet row of ``gpu_name`` (torch's device name), or None: unknown, or a MIG slice."""
-    if not gpu_name or "MIG" in gpu_name:
+    if not gpu_name or "MIG" in gpu_name or _NOT_THE_PART.search(gpu_name):
         return None
-    return next((row for pattern, row in DATASHEET if re.search(pattern, gpu_name)), None)
+    name = gpu_name.strip()
+    return next((row for pattern, row in DATASHEET if re.search(pattern, name)), None)
 
 
 def datasheet_peak(gpu_name: str | None, precision: str) -> float | None:

@@ -8,7 +8,6 @@ elementwise ops and moves fewer bytes); every kernel at its datasheet peak, whic
 
 from __future__ import annotations
 
-import difflib
 import sys
 
 import torch
@@ -34,10 +33,9 @@ def find_gpu(name: str) -> dict:
     row = datasheet_row(name)  # as torch names the GPU: "NVIDIA A100-SXM4-80GB", or "A100" (the table's first match)
     if row:
         return row
-    close = difflib.get_close_matches(name, gpu_names(), n=4, cutoff=0.3) or \
-        [n for n in gpu_names() if norm(name)[:3] in norm(n)]
-    hint = f"close: {', '.join(close)}" if close else f"the table has: {', '.join(gpu_names())}"
-    raise ConfigError(f"--gpu {name!r} is not in the datasheet table; {hint} (or --gpu all)")
+    raise ConfigError(f"--gpu {name!r} is not in the datasheet table (a laptop, D or Grace part is not its desktop "
+                      f"or datacenter namesake: other clocks, memory and power); the table has: "
+                      f"{', '.join(gpu_names())} (or --gpu all)")
 
 
 def _rate(op: Op, precision: str, row: dict) -> float | None:
@@ -72,21 +70,43 @@ def step_time(ops: list[Op], row: dict, precision: str) -> dict | None:
             "by_category_s": by_category}
 
 
-def table(counted: dict[str, list[Op]], row: dict, batch: int) -> dict[str, dict]:
-    """Per precision on one GPU: roofline step time, img/s, the ratio to strict fp32 and to tf32."""
+def unavailable(precision: str, ops: list[Op], row: dict) -> str | None:
+    """Why ``row``'s GPU has no roofline of its own for ``precision`` on this model (its cell would repeat another
+    column's), or None: no such tensor cores, no TF32 before Ampere, or a converting rung that converts nothing."""
     from ampbench.precision import rung
-    out = {}
+    r = rung(precision)
+    if r.tf32 and not row.get("tf32"):
+        return f"no TF32 on {row['name']} (Ampere and later have it): {precision} runs as fp32 there"
+    if not row.get(r.datasheet) or not r.runs_on(row):  # without fp8 tensor cores, no fp8 at all, whatever the model
+        return f"no {r.datasheet} tensor cores on {row['name']}"
+    # a converting rung's GEMMs reach its own column only where it converted: none, and its cell is another's
+    if r.converts and not any(op.flops and r.peak_column(op.dtype, row) == r.datasheet for op in ops):
+        return f"{precision} converts no layer of this model: it would run bf16"
+    return None
+
+
+def table(counted: dict[str, list[Op]], row: dict, batch: int) -> dict[str, dict]:
+    """Per precision on one GPU: roofline step time, img/s, the ratio to strict fp32 and to tf32; ``{"na": why}``
+    where the GPU has no roofline of its own for it (never another column's figures)."""
+    out: dict[str, dict] = {}
     for precision, ops in counted.items():
-        # a GPU without fp8 tensor cores cannot run the fp8 precision at all, even for a model it converts nothing of
-        t = step_time(ops, row, precision) if rung(precision).runs_on(row) else None
+        why = unavailable(precision, ops, row)
+        t = None if why else step_time(ops, row, precision)
         out[precision] = {"step_ms": t["step_s"] * 1e3, "imgs_per_s": batch / t["step_s"],
-                          "memory_bound_share": t["memory_bound_share"]} if t else None
+                          "memory_bound_share": t["memory_bound_share"]} if t else \
+            {"na": why or f"no {precision} rate on {row['name']} for a dtype this step runs in"}
     for ref in ("fp32", "tf32"):
         base = out.get(ref)
+        base = None if base is None or "na" in base else base
         for r in out.values():
-            if r is not None:
+            if "na" not in r:
                 r[f"vs_{ref}"] = base["step_ms"] / r["step_ms"] if base else None
     return out
+
+
+def available(cell: dict | None) -> bool:
+    """A table cell with figures (not n/a)."""
+    return bool(cell) and "na" not in cell
 
 
 def closest_default(conv_flop_share: float) -> str:

@@ -86,7 +86,7 @@ def eager_note(summary: dict) -> list[str]:
     return [f"Eager: {', '.join(f'`{n}`' for n in eager)} ran without torch.compile (on a CPU always; on a GPU with "
             "train.compile: false), and torchao's low-precision training is fast only compiled (it fuses the "
             "scaling and casts into few kernels): its speed here is not what it buys compiled, and the roofline's "
-            "bound counts it compiled.", ""]
+            "roofline counts it compiled.", ""]
 
 
 def not_made(summary: dict, *analyses: str) -> list[str]:

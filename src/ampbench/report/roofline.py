@@ -39,10 +39,12 @@ def _article_roofline(found: dict | None) -> list[str]:
     r, claimed = a["fp16_vs_fp32"], float(ARTICLE["speedup"].rstrip("x"))
     return [f"On the article's {a['gpu']}, the roofline of ResNet-18 at batch {a['batch']} (counted here, op by op, at "
             f"that card's datasheet peaks) gives fp16 {fmt.times(r)} strict fp32: a GeForce card runs fp16 with fp32 "
-            "accumulation at twice its fp32 rate, and fp16 halves the bytes each op moves. The article's "
-            f"{ARTICLE['speedup']} is {claimed / r:.2f}x that bound, so its FP32 run reached {r / claimed:.0%} of the "
-            "share of its peak its FP16 run reached: its baseline was slow (eager overhead, the input pipeline, or a "
-            "setting that held fp32 back), which a precision cannot be credited with.", ""]
+            "accumulation at twice its fp32 rate, and fp16 halves the bytes each op moves. That is the ratio if both "
+            "precisions ran every kernel equally close to its peak, not a bound on a measured ratio. The article's "
+            f"{ARTICLE['speedup']} is {claimed / r:.2f}x that ratio, so its FP32 run reached {r / claimed:.0%} of the "
+            "share of its peak its FP16 run reached: a fact about its baseline, which ran further below its peak "
+            "(eager overhead, the input pipeline, or a setting that held fp32 back), not a gain beyond the hardware, "
+            "and not one a precision can be credited with.", ""]
 
 
 def _census_lines(found: dict) -> list[str]:
@@ -69,13 +71,13 @@ def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
     gpu = found.get("gpu")
     if not gpu:
         where = f"{env['gpu']['name']} is not in the datasheet table" if env.get("gpu") else "this ran on a CPU"
-        return lines + ["", f"There is no bound to set beside the measurements: {where}. `ampbench roofline --gpu "
-                        "all` gives each precision's bound on every GPU of the table.", ""]
+        return lines + ["", f"There is no roofline to set beside the measurements: {where}. `ampbench roofline --gpu "
+                        "all` gives each precision's roofline on every GPU of the table.", ""]
     by_precision: dict[str, list[str]] = {}
     for name, m in found["measured"].items():
         by_precision.setdefault(m["precision"], []).append(
             f"{name}: {fmt.times(m['speedup'])} measured{' eager' if m.get('eager') else ''}, {m['of_roofline']:.0%} "
-            "of the bound's img/s")
+            "of the roofline's img/s")
     lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", ""]
     return lines + roofline_table(gpu["table"], by_precision) + ["", ROOFLINE_NOTE, ""]
 
@@ -84,8 +86,10 @@ ROOFLINE_NOTE = (
     "What a roofline is: one training step counted op by op (FLOPs and the bytes each op reads and writes; eager "
     "kernels, no fusion, fp8's scaling as torch.compile fuses it), each op at max(FLOPs / the datasheet peak of the "
     "dtype it runs in, bytes / memory bandwidth). Its ratio is what switching precision would buy if both precisions "
-    "ran every kernel at the datasheet's peaks. Real kernels run below peak, and unevenly: a measured speedup above "
-    "the roofline ratio means the slower precision ran further below its peak.")
+    "ran every kernel equally close to the datasheet's peaks: a ratio of two least times, which bounds neither "
+    "measured time's ratio. Real kernels run below peak, and unevenly: a measured speedup above the roofline ratio "
+    "means the slower precision ran further below its peak (a fact about the baseline, not a gain beyond the "
+    "hardware); one below it, that the faster precision did.")
 
 
 def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]] | None = None) -> list[str]:
@@ -94,8 +98,9 @@ def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]]
     lines = ["| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share |" + extra,
              "|---|---|---|---|---|---|" + ("---|" if extra else "")]
     for rung, r in table.items():
-        if r is None:
-            lines.append(f"| {rung} | no {rung} tensor cores | | | | |" + (" |" if extra else ""))
+        if r is None or "na" in r:
+            why = r["na"] if r else f"no {rung} tensor cores"
+            lines.append(f"| {rung} | n/a: {why} | | | | |" + (" |" if extra else ""))
             continue
         cell = f" {'; '.join(measured.get(rung, [])) or 'not run'} |" if measured is not None else ""
         lines.append(f"| {rung} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "

@@ -197,18 +197,19 @@ def paired(found: dict | None, rows: dict[str, dict]) -> dict | None:
 
 def roofline(found: dict | None, rows: dict[str, dict]) -> dict | None:
     """env_check's roofline, with each one-process variant's measured img/s against its precision's roofline
-    img/s on this GPU (the share of the datasheet's bound it reached)."""
+    img/s on this GPU (the share of the roofline's img/s it reached)."""
     if not found:
         return None
     out = dict(found)
     table = (found.get("gpu") or {}).get("table") or {}
     out["measured"] = {}
     for name, r in rows.items():
-        bound = table.get(r["precision"])
-        if bound and r["accum_steps"] == 1 and (r.get("world_size") or 1) == 1 and r.get("imgs_per_s"):
+        cell = table.get(r["precision"])
+        if cell and "na" not in cell and r["accum_steps"] == 1 and (r.get("world_size") or 1) == 1 \
+                and r.get("imgs_per_s"):
             out["measured"][name] = {"precision": r["precision"], "speedup": r.get("speedup"),
-                                     "roofline_vs_fp32": bound["vs_fp32"],
-                                     "of_roofline": r["imgs_per_s"] / bound["imgs_per_s"], "eager": r.get("eager")}
+                                     "roofline_vs_fp32": cell["vs_fp32"],
+                                     "of_roofline": r["imgs_per_s"] / cell["imgs_per_s"], "eager": r.get("eager")}
     return out
 
 
