@@ -49,6 +49,9 @@ CHECKS = {
                  "15 x the least batch env_check accepts: each runs and matches its fp32 product; one more image "
                  "than a multiple of it: CUDA refuses exactly the weight-gradient GEMMs, as env_check says "
                  "(compute capability 8.9 and later)",
+    "launch_floor": "the host's time per kernel launched back to back from eager PyTorch (a one-element add_, "
+                    "20,000 of them): the roofline's launch floor on this machine (ampbench roofline --launch-us), "
+                    "against its default",
 }
 
 
@@ -252,6 +255,23 @@ def check_fp8_gemms(prepared: dict) -> dict:
             return {"figure": figure, "passed": False, "detail": f"batch {batch}: not what env_check expects"}
     return {"figure": figure, "passed": True, "detail": f"multiples of {need} images run; others refused in the "
                                                        "weight's gradient GEMM only"}
+
+
+def check_launch_floor(prepared: dict) -> dict:
+    from ampbench.measure import roofline
+    x = torch.zeros(1, device="cuda")
+    for _ in range(200):  # warm: the caching allocator, the kernel's first load
+        x.add_(1.0)
+    torch.cuda.synchronize()
+    n = 20_000
+    t0 = time.perf_counter()
+    for _ in range(n):
+        x.add_(1.0)
+    torch.cuda.synchronize()
+    us = (time.perf_counter() - t0) / n * 1e6
+    return {"figure": {"us_per_kernel": round(us, 2), "default_us": roofline.LAUNCH_US},
+            "passed": us > 0.5 and float(x.item()) == n + 200,
+            "detail": f"ampbench roofline --launch-us {us:.1f} counts this machine's floor"}
 
 
 def _write(out: Path, info: dict, results: dict) -> None:

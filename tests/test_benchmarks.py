@@ -40,7 +40,7 @@ def test_gpu_validate_lists_its_checks_on_a_cpu_and_refuses_to_run_there():
     assert listed.returncode == 0, listed.stderr[-2000:]
     names = [line.split(":")[0] for line in listed.stdout.splitlines()]
     assert names == ["host_syncs", "steady_peak", "gpu_busy", "largest_batch", "tf32_getters", "stream", "nccl_ddp",
-                     "fp8_gemms"]
+                     "fp8_gemms", "launch_floor"]
     run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_validate.py")], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode != 0 and "no CUDA GPU" in run.stderr and "Traceback" not in run.stderr

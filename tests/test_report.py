@@ -119,10 +119,19 @@ def test_the_roofline_sits_beside_the_measured_speedups(runs, tmp_path):
                      roofline=found)
     assert s["roofline"]["measured"]["amp"]["of_roofline"] == pytest.approx(2560 / 40960)
     md = (tmp_path / "r.md").read_text()
-    assert "| fp16 | 6.25 ms | 40,960 | 8.00x | 2.00x | 50% | amp: 3.00x measured, 6% of the roofline's img/s |" in md
+    assert "| fp16 | 6.25 ms | 40,960 | 8.00x | 2.00x | 50% | n/a | amp: 3.00x measured, 6% of the roofline's img/s |" \
+        in md  # a roofline.json counted before kernels were: their launches n/a
     assert "| bf16 | n/a: no bf16 tensor cores |" in md and "closest to tf32" in md
     assert "gives fp16 1.92x strict fp32" in md and "The article's 3.2x is 1.67x that ratio" in md
     assert "not a bound on a measured ratio" in md and "bound's" not in md and "that bound" not in md
+    # a step whose launches outlast its kernels: launch-bound, in the table and the verdict
+    table["fp16"].update(step_ms=8.0, kernels_ms=6.25, launch_ms=8.0, kernels=2000, launch_bound=True)
+    report.build(runs, gpu_env, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "tf32", "amp"],
+                 roofline={**found, "launch_us": 4.0})
+    md = (tmp_path / "r.md").read_text()
+    assert "| fp16 | 8 ms **launch-bound** |" in md and "| 2,000, 8 ms |" in md and "(4 us each" in md
+    assert "its step is launch-bound: 2,000 kernels launched one by one take 8 ms, longer than the 6.25 ms" \
+        in md.splitlines()[2]
 
 
 def _every_section_fixture(runs):

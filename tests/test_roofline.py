@@ -97,3 +97,48 @@ def test_env_check_counts_a_model_once_per_params_and_again_when_they_change(tmp
     assert len(list(tmp_path.glob("roofline-*.json"))) == 4
     roofline.record_cached(cfg, None, shape, None, optim.for_count)
     assert len(counts) == 5 and len(list(tmp_path.glob("roofline-*.json"))) == 4
+
+
+def test_a_step_of_more_kernels_than_its_gpu_time_allows_is_launch_bound():
+    """tv:shufflenet_v2_x0_5 at batch 256 on an H100 SXM: its kernels take 0.07 ms at the datasheet's peaks, but the
+    host launches about 500 of them one by one, at LAUNCH_US each: the step is launch-bound, no faster than that.
+    ResNet-18 (CIFAR) at batch 256 is not, on the same card."""
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "tv:shufflenet_v2_x0_5"},
+                            "data": {"source": "synthetic"}})
+    found = roofline.for_config(cfg, optim.for_count, batch=256, precisions=("fp32", "fp16"))
+    h100 = roofline.table(found["ops"], roofline.find_gpu("H100 SXM"), 256)
+    fp32 = h100["fp32"]
+    assert fp32["launch_bound"] and fp32["kernels_ms"] < 0.2 and fp32["kernels"] > 300
+    assert fp32["step_ms"] == pytest.approx(fp32["kernels"] * roofline.LAUNCH_US / 1000)  # the floor, not 0.07 ms
+    assert fp32["imgs_per_s"] < 256 / (fp32["kernels"] * 3e-6)  # no step faster than its launches
+    # under CUDA graphs (no launches from the host) the floor goes, and the kernels' time is the step again
+    assert not roofline.table(found["ops"], roofline.find_gpu("H100 SXM"), 256, launch_us=0)["fp32"]["launch_bound"]
+    resnet = roofline.for_config(config.from_dict({"device": "cpu", "data": {"source": "synthetic"}}), optim.for_count,
+                                 batch=256, precisions=("fp32", "fp16"))
+    assert not roofline.table(resnet["ops"], roofline.find_gpu("H100 SXM"), 256)["fp16"]["launch_bound"]
+
+
+def test_kernels_are_counted_as_the_gpu_launches_them_and_in_place_writes_count():
+    """A convolution's backward launches a kernel per gradient (input, weight, bias); a foreach op one per chunk of
+    its tensor lists (110 tensors for one list, MultiTensorApply's limit); an in-place foreach op returns nothing but
+    writes its first list."""
+    import torch
+
+    from ampbench.measure import opcount
+    convs = [torch.empty(4, 4, 3, 3, device="meta") for _ in range(300)]
+    assert opcount.kernel_count("_foreach_mul_", (convs, 0.5), []) == 3  # 300 tensors, one list: 110 a launch
+    assert opcount.kernel_count("_foreach_add", (convs, convs), convs) == 7  # two lists in, one out: 48 a launch
+    big = [torch.empty(2**20, device="meta") for _ in range(4)]  # 64 chunks of 64K elements
+    assert opcount.kernel_count("_foreach_mul_", (big * 6, 0.5), []) == 2  # 384 chunks: 320 a launch
+    assert opcount.kernel_count("convolution_backward", (), [torch.empty(1)] * 3) == 3
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 10))
+    ops = opcount.count(model, torch.empty(2, 3, 8, 8), torch.zeros(2, dtype=torch.long), "fp32",
+                        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True))
+    conv_bwd = [op for op in ops if op.name == "convolution_backward"]
+    assert conv_bwd and conv_bwd[0].kernels >= 2  # the input is the data: the weight's and the bias's gradients
+    params = sum(p.numel() * 4 for p in model.parameters())
+    in_place = [op for op in ops if op.phase == "optimizer" and op.name.startswith("_foreach_")
+                and op.name.endswith("_")]
+    assert in_place and all(op.bytes >= params for op in in_place)  # read and written: at least its list once
+    add = next(op for op in in_place if op.name == "_foreach_add_")
+    assert add.bytes >= 3 * params  # the parameters read and written, the update read

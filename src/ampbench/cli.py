@@ -156,8 +156,11 @@ def _stopper(server: subprocess.Popen):
 def roofline_cmd(args) -> None:
     from ampbench.measure import roofline
     from ampbench.report import fmt
-    from ampbench.report.roofline import ROOFLINE_NOTE, roofline_table
+    from ampbench.report.roofline import roofline_note, roofline_table
     rows = None if args.gpu == "all" else [roofline.find_gpu(args.gpu)]  # a bad name stops before counting
+    args.launch_us = roofline.LAUNCH_US if args.launch_us is None else args.launch_us
+    if args.launch_us < 0:
+        raise ConfigError(f"--launch-us {args.launch_us:g}: give a time of 0 or more microseconds")
     if args.batch < 0:
         raise ConfigError(f"--batch {args.batch}: give a batch of 1 or more images (or 0 for train.batch_size)")
     cfg = config.load(args.params)
@@ -173,7 +176,7 @@ def roofline_cmd(args) -> None:
     if rows:
         row = rows[0]
         print(f"{row['name']}: {row['source']}; memory {row['bandwidth_gbps']:,} GB/s\n")
-        print("\n".join(roofline_table(roofline.table(found["ops"], row, found["batch"]))))
+        print("\n".join(roofline_table(roofline.table(found["ops"], row, found["batch"], args.launch_us))))
     else:
         from ampbench.measure.flops import DATASHEET
         notes: dict[tuple[str, str], list[str]] = {}
@@ -181,8 +184,9 @@ def roofline_cmd(args) -> None:
               + " | ".join(f"{p} vs fp32" for p in precisions if p != "fp32") + " | fp16 vs tf32 |")
         print("|---|" + "---|" * (2 * len(precisions)))
         for _, row in DATASHEET:
-            t = roofline.table(found["ops"], row, found["batch"])
-            ips = [f"{t[p]['imgs_per_s']:,.0f}" if roofline.available(t[p]) else "n/a" for p in precisions]
+            t = roofline.table(found["ops"], row, found["batch"], args.launch_us)
+            ips = [f"{t[p]['imgs_per_s']:,.0f}{' (launch-bound)' if t[p]['launch_bound'] else ''}"
+                   if roofline.available(t[p]) else "n/a" for p in precisions]
             vs = [fmt.times(t[p]["vs_fp32"]) if roofline.available(t[p]) else "n/a" for p in precisions if p != "fp32"]
             fp16 = t.get("fp16")
             print(f"| {row['name']} | " + " | ".join(ips) + " | " + " | ".join(vs)
@@ -194,7 +198,7 @@ def roofline_cmd(args) -> None:
                                     for (p, why), gpus in notes.items()) + "." if notes else "")
         print("\nDense rates with FP32 accumulation, from: " + "; ".join(
             f"{row['name']}: {row['source']}" for _, row in DATASHEET) + ".")
-    print("\n" + ROOFLINE_NOTE)
+    print("\n" + roofline_note(args.launch_us))
 
 
 def check_model_cmd(args) -> None:
@@ -264,6 +268,8 @@ def main() -> None:
     r.add_argument("--gpu", required=True, help='a GPU of the datasheet table, e.g. "RTX 5090" or H100 SXM; or all')
     r.add_argument("--params", default="params.yaml")
     r.add_argument("--batch", type=int, default=0, help="images per step (default: train.batch_size)")
+    r.add_argument("--launch-us", type=float, default=None, help="the host's least time per kernel launch, in "
+                   "microseconds (default 4; make gpu-validate measures a machine's)")
     m = sub.add_parser("check-model", help="will a model run here? input size, roofline, fp8, one step per "
                                            "precision (seconds to a minute on a CPU)")
     m.add_argument("model", help="a model.arch (resnet18, vit_tiny, tv:<torchvision name>) or a factory "

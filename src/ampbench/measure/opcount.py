@@ -38,6 +38,7 @@ class Op:
     flops: float
     bytes: float
     phase: str         # forward | backward | optimizer
+    kernels: int = 1   # the CUDA kernels it launches (a foreach op: one per chunk of tensors; a conv backward: 2+)
 
     @property
     def category(self) -> str:
@@ -67,6 +68,28 @@ def _bytes(t: torch.Tensor) -> int:
 
 _NO_TRAFFIC = frozenset(("_unsafe_view", "empty", "empty_like", "empty_strided", "new_empty", "detach",
                          "_record_function_enter_new", "_record_function_exit", "lift_fresh"))
+
+
+# ATen's multi-tensor apply (MultiTensorApply.cuh, the 4 KB kernel-argument limits): a foreach op launches one kernel
+# per this many tensors (by how many tensor lists it takes) or per this many 64K-element chunks, whichever fills
+# first (builds with larger kernel arguments launch fewer)
+FOREACH_MAX_TENSORS = (110, 64, 48, 36, 30)
+FOREACH_MAX_BLOCKS, FOREACH_CHUNK = 320, 65536
+
+
+def kernel_count(name: str, args: tuple, outs: list) -> int:
+    """The CUDA kernels an aten op launches: a foreach op one per chunk of its tensor lists; a convolution's
+    backward one per gradient it makes (input, weight, bias: cuDNN runs each as its own kernel); others one."""
+    if name.startswith(("_foreach_", "_fused_")):
+        lists = [a for a in args if isinstance(a, list | tuple) and a and isinstance(a[0], torch.Tensor)]
+        if not lists:
+            return 1
+        depth = min(len(lists) + (0 if name.endswith("_") else 1), len(FOREACH_MAX_TENSORS))  # outputs: a list too
+        chunks = sum(-(-t.numel() // FOREACH_CHUNK) for t in lists[0])
+        return max(1, -(-len(lists[0]) // FOREACH_MAX_TENSORS[depth - 1]), -(-chunks // FOREACH_MAX_BLOCKS))
+    if name == "convolution_backward":
+        return max(1, len(outs))
+    return 1
 
 
 def _is_view(func) -> bool:
@@ -119,6 +142,8 @@ class StepCounter(TorchDispatchMode):
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         moved = sum(_bytes(t) for t in tensors) + sum(_bytes(t) for t in outs)
+        if name.startswith("_foreach_") and name.endswith("_") and not outs and args and isinstance(args[0], list):
+            moved += sum(_bytes(t) for t in args[0])  # an in-place foreach op returns nothing: it writes its first list
         counter = flop_registry.get(func._overloadpacket)
         flops = float(counter(*args, **kwargs, out_val=out)) if counter else 0.0
         if self.scaling_files and not flops and _called_from(self.scaling_files):
@@ -134,7 +159,8 @@ class StepCounter(TorchDispatchMode):
         fp8 = [d for d in map(_float8_data, floating) if d is not None]
         dtype = fp8[0].dtype if fp8 else floating[0].dtype if floating else (outs[0].dtype if outs else torch.float32)
         op_name = "cast" if name == "_to_copy" else name
-        self.ops.append(Op(op_name, str(dtype).removeprefix("torch."), flops, float(moved), self.phase))
+        self.ops.append(Op(op_name, str(dtype).removeprefix("torch."), flops, float(moved), self.phase,
+                           kernel_count(name, args, outs)))
         return out
 
     def _block_fp8_gemm(self, name: str, flops: float, tensors: list, operands: list, outs: list) -> None:

@@ -2,8 +2,11 @@
 (``measure.opcount``) and a datasheet row (``measure.flops``).
 
 ``step_time(ops, row, precision)``: each op takes max(FLOPs / the peak of the dtype it runs in, bytes /
-memory bandwidth); their sum is the step's roofline time. Eager kernels, no fusion (``torch.compile`` fuses
-elementwise ops and moves fewer bytes); every kernel at its datasheet peak, which real kernels do not reach.
+memory bandwidth); their sum is the GPU's time. The host launches each kernel, one after another, at
+``LAUNCH_US`` at least (the launch and PyTorch's dispatch), while the GPU runs the ones before: the step takes
+the longer of the two, and a step whose launches take longer than its kernels is launch-bound. Eager kernels, no
+fusion (``torch.compile`` fuses elementwise ops, moves fewer bytes and launches fewer kernels; CUDA graphs launch
+a step at once); every kernel at its datasheet peak, which real kernels do not reach.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ import torch
 from ampbench.errors import ConfigError
 from ampbench.measure.flops import DATASHEET
 from ampbench.measure.opcount import CATEGORIES, Op, for_config
+
+# The least host time per kernel launched from eager PyTorch: a CUDA launch is a few microseconds (NVIDIA, "Getting
+# Started with CUDA Graphs", https://developer.nvidia.com/blog/cuda-graphs/: back-to-back short kernels in a
+# stream), and PyTorch's dispatch adds to it. A default; `make gpu-validate` measures a machine's (launch_floor).
+LAUNCH_US = 4.0
 
 
 def gpu_names() -> list[str]:
@@ -46,9 +54,10 @@ def _rate(op: Op, precision: str, row: dict) -> float | None:
     return peak * 1e12 if peak else None
 
 
-def step_time(ops: list[Op], row: dict, precision: str) -> dict | None:
-    """The roofline step time of ``ops`` on ``row``'s GPU, with its memory-bound share and its time by
-    category; None when the GPU has no rate for a dtype the step runs in (bf16 before Ampere)."""
+def step_time(ops: list[Op], row: dict, precision: str, launch_us: float = LAUNCH_US) -> dict | None:
+    """The roofline step time of ``ops`` on ``row``'s GPU: the longer of the kernels' time and their launches'
+    (``launch_us`` each), with the kernels' memory-bound share, their time by category and whether the launches
+    bound the step; None when the GPU has no rate for a dtype the step runs in (bf16 before Ampere)."""
     bandwidth = row["bandwidth_gbps"] * 1e9
     total = memory_bound = 0.0
     by_category = dict.fromkeys(CATEGORIES, 0.0)
@@ -66,7 +75,10 @@ def step_time(ops: list[Op], row: dict, precision: str) -> dict | None:
         by_category[op.category] += t
         if mem_s >= compute_s:
             memory_bound += t
-    return {"step_s": total, "memory_bound_share": memory_bound / total if total else 0.0,
+    kernels = sum(op.kernels for op in ops)
+    launch_s = kernels * launch_us * 1e-6
+    return {"step_s": max(total, launch_s), "kernels_s": total, "launch_s": launch_s, "kernels": kernels,
+            "launch_bound": launch_s > total, "memory_bound_share": memory_bound / total if total else 0.0,
             "by_category_s": by_category}
 
 
@@ -85,14 +97,16 @@ def unavailable(precision: str, ops: list[Op], row: dict) -> str | None:
     return None
 
 
-def table(counted: dict[str, list[Op]], row: dict, batch: int) -> dict[str, dict]:
+def table(counted: dict[str, list[Op]], row: dict, batch: int, launch_us: float = LAUNCH_US) -> dict[str, dict]:
     """Per precision on one GPU: roofline step time, img/s, the ratio to strict fp32 and to tf32; ``{"na": why}``
     where the GPU has no roofline of its own for it (never another column's figures)."""
     out: dict[str, dict] = {}
     for precision, ops in counted.items():
         why = unavailable(precision, ops, row)
-        t = None if why else step_time(ops, row, precision)
+        t = None if why else step_time(ops, row, precision, launch_us)
         out[precision] = {"step_ms": t["step_s"] * 1e3, "imgs_per_s": batch / t["step_s"],
+                          "kernels_ms": t["kernels_s"] * 1e3, "launch_ms": t["launch_s"] * 1e3,
+                          "kernels": t["kernels"], "launch_bound": t["launch_bound"],
                           "memory_bound_share": t["memory_bound_share"]} if t else \
             {"na": why or f"no {precision} rate on {row['name']} for a dtype this step runs in"}
     for ref in ("fp32", "tf32"):
@@ -129,7 +143,7 @@ def record(cfg, gpu_name: str | None, make_optimizer) -> dict:
     used = {v.precision for v in cfg.variants.values()}
     found = for_config(cfg, make_optimizer, precisions=tuple(p for p in names() if rung(p).always_counted or p in used))
     s = found["summary"]
-    out = {"model": found["model"], "batch": found["batch"], "input_size": found["input_size"],
+    out = {"model": found["model"], "batch": found["batch"], "input_size": found["input_size"], "launch_us": LAUNCH_US,
            "flops": s["flops"], "bytes": s["bytes"], "conv_flop_share": s["conv_flop_share"],
            "closest_default": closest_default(s["conv_flop_share"]), "gpu": None}
     row = datasheet_row(gpu_name)

@@ -79,14 +79,22 @@ def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
             f"{name}: {fmt.times(m['speedup'])} measured{' eager' if m.get('eager') else ''}, {m['of_roofline']:.0%} "
             "of the roofline's img/s")
     lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", ""]
-    return lines + roofline_table(gpu["table"], by_precision) + ["", ROOFLINE_NOTE, ""]
+    return lines + roofline_table(gpu["table"], by_precision) + ["", roofline_note(found.get("launch_us")), ""]
+
+
+def roofline_note(launch_us: float | None) -> str:
+    """What a roofline is, with the launch floor it was counted with (roofline.json's ``launch_us``)."""
+    return ROOFLINE_NOTE.replace("{launch}", f"{launch_us:g} us" if launch_us else "a few microseconds")
 
 
 ROOFLINE_NOTE = (
     "What a roofline is: one training step counted op by op (FLOPs and the bytes each op reads and writes; eager "
     "kernels, no fusion, fp8's scaling as torch.compile fuses it), each op at max(FLOPs / the datasheet peak of the "
-    "dtype it runs in, bytes / memory bandwidth). Its ratio is what switching precision would buy if both precisions "
-    "ran every kernel equally close to the datasheet's peaks: a ratio of two least times, which bounds neither "
+    "dtype it runs in, bytes / memory bandwidth), and at least the host's time to launch its kernels one by one "
+    "({launch} each: a step whose launches take longer than its kernels is launch-bound, and its precision "
+    "barely matters; torch.compile and CUDA graphs launch fewer). Its ratio is what switching precision would buy if "
+    "both precisions ran every kernel equally close to the datasheet's peaks: a ratio of two least times, which "
+    "bounds neither "
     "measured time's ratio. Real kernels run below peak, and unevenly: a measured speedup above the roofline ratio "
     "means the slower precision ran further below its peak (a fact about the baseline, not a gain beyond the "
     "hardware); one below it, that the faster precision did.")
@@ -95,14 +103,16 @@ ROOFLINE_NOTE = (
 def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]] | None = None) -> list[str]:
     """One GPU's roofline per precision (``roofline.table``), with what was measured beside it when given."""
     extra = " measured |" if measured is not None else ""
-    lines = ["| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share |" + extra,
-             "|---|---|---|---|---|---|" + ("---|" if extra else "")]
+    lines = ["| precision | roofline step | roofline img/s | vs strict fp32 | vs tf32 | memory-bound share of the "
+             "kernels | kernels, their launches |" + extra, "|---|---|---|---|---|---|---|" + ("---|" if extra else "")]
     for rung, r in table.items():
         if r is None or "na" in r:
             why = r["na"] if r else f"no {rung} tensor cores"
-            lines.append(f"| {rung} | n/a: {why} | | | | |" + (" |" if extra else ""))
+            lines.append(f"| {rung} | n/a: {why} | | | | | |" + (" |" if extra else ""))
             continue
         cell = f" {'; '.join(measured.get(rung, [])) or 'not run'} |" if measured is not None else ""
-        lines.append(f"| {rung} | {fmt.ms(r['step_ms'])} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
-                     f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} |" + cell)
+        bound = " **launch-bound**" if r.get("launch_bound") else ""
+        launches = f"{r['kernels']:,}, {fmt.ms(r['launch_ms'])}" if r.get("kernels") else "n/a"
+        lines.append(f"| {rung} | {fmt.ms(r['step_ms'])}{bound} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
+                     f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} | {launches} |" + cell)
     return lines

@@ -133,6 +133,12 @@ def verdict(summary: dict, env: dict) -> str:
         reasons = _reasons(r, base, env)
         if reasons:
             text += " Why: " + "; ".join(reasons) + "."
+    cell = (((summary.get("roofline") or {}).get("gpu") or {}).get("table") or {}).get(r.get("precision"))
+    if cell and cell.get("launch_bound"):
+        text += (f" On this GPU's roofline its step is launch-bound: {cell['kernels']:,} kernels launched one by one "
+                 f"take {fmt.ms(cell['launch_ms'])}, longer than the {fmt.ms(cell['kernels_ms'])} they run at the "
+                 "datasheet's peaks, so the precision moves it little; torch.compile, CUDA graphs or a larger batch "
+                 "would.")
     if r.get("skipped_steps"):
         text += f" The loss scaler skipped {r['skipped_steps']} overflowing steps."
     if r.get("clock_differs"):

@@ -118,8 +118,10 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
             t = roofline.table(found["ops"], roofline.find_gpu(gpu), found["batch"])
             ratios[gpu] = {f"{p}_vs_{ref}": (t.get(p) or {}).get(f"vs_{ref}") for p in ("fp16", "bf16")
                            for ref in ("fp32", "tf32")}
+            ratios[gpu]["launch_bound"] = [p for p, c in t.items() if c.get("launch_bound")]
         row("roofline", None, f"{per_image / 1e9:,.2f} GFLOP per image per step; " + "; ".join(
             f"{gpu}: fp16 {r['fp16_vs_fp32']:.2f}x, bf16 {r['bf16_vs_fp32']:.2f}x strict fp32"
+            + (f" (launch-bound: {', '.join(r['launch_bound'])})" if r["launch_bound"] else "")
             for gpu, r in ratios.items() if r["fp16_vs_fp32"] and r["bf16_vs_fp32"])
             + f" (batch {found['batch']}, counted in {count_s:.1f} s)", flops_per_image=per_image, ratios=ratios)
     except Exception as err:  # an analysis: the model still trains without it
