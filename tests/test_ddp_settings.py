@@ -37,3 +37,29 @@ def test_distributed_settings_a_gpu_machine_cannot_run_are_refused(changes, info
     for word in words:
         assert word in str(err.value)
     env.check_distributed(config.DistributedConfig(), "cuda", {"cpu_count": 16, **info}, {"none"})  # the defaults run
+
+
+def test_the_launcher_ends_with_the_exit_code_a_rank_said_though_the_agent_stopped_it(tmp_path, monkeypatch, capsys):
+    """A rank writes its message and exit code, then may be stopped by the elastic agent (SIGTERM: exit code -15)
+    before it exits with its own: the stage still ends with that message, last, and the code the rank said."""
+    import os
+
+    import torch.distributed.run as run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from ampbench.errors import RANK_ERRORS_ENV
+    from ampbench.train import distributed
+
+    def fake_run(args):
+        folder = os.environ[RANK_ERRORS_ENV]
+        with open(os.path.join(folder, "rank1"), "w") as f:
+            f.write("2\nrank 1: params.yaml: train.batch_size = 31 does not split")
+        missing = str(tmp_path / "none.json")
+        raise ChildFailedError("train.py", {r: ProcessFailure(r, 100 + r, -15, missing) for r in (0, 1)})
+
+    monkeypatch.setattr(run, "run", fake_run)
+    with pytest.raises(SystemExit) as stop:
+        distributed.torchrun(2, ["stages/train.py"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "error: rank 1: params.yaml: train.batch_size = 31 does not split"

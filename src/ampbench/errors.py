@@ -77,8 +77,9 @@ def run_cli(main: Callable[[], None]) -> None:
         print(f"error: {rank}{err}", file=sys.stderr)
         said = os.environ.get(RANK_ERRORS_ENV)
         if said and under_torchrun:  # the launcher says it again, last (train.distributed.torchrun)
+            # its exit code first: the agent may stop this process (SIGTERM) before it exits with it
             with open(os.path.join(said, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
-                f.write(f"{rank}{err}")
+                f.write(f"{err.exit_code}\n{rank}{err}")
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -116,13 +116,18 @@ def torchrun(nproc: int, argv: list[str]) -> None:
         try:
             run(get_args_parser().parse_args(["--standalone", "--nproc-per-node", str(nproc), *argv]))
         except ChildFailedError as err:
-            said_by = {int(f.name.removeprefix("rank")): f.read_text() for f in Path(said).glob("rank*")}
-            # the lowest rank that said why it stopped, with its own exit code; else the first to fail
+            # each: "<its exit code>\n<its message>", written before it exited (the agent may have stopped it after)
+            said_by = {int(f.name.removeprefix("rank")): f.read_text().partition("\n")
+                       for f in Path(said).glob("rank*")}
+            # the lowest rank that said why it stopped, with the exit code it said; else the first to fail
             rank, failure = next(((r, f) for r, f in sorted(err.failures.items()) if r in said_by),
                                  err.get_first_failure())
-            text = said_by.get(rank) or \
-                f"training process {rank} ended with exit code {failure.exitcode} and no message of its own"
-            print(f"error: {text}", file=sys.stderr)
+            if rank in said_by:
+                code, _, text = said_by[rank]
+                print(f"error: {text}", file=sys.stderr)
+                sys.exit(int(code) if code.isdigit() and int(code) > 0 else 1)
+            print(f"error: training process {rank} ended with exit code {failure.exitcode} and no message of its own",
+                  file=sys.stderr)
             sys.exit(failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1)
 
 
