@@ -39,7 +39,8 @@ RATIO_KEYS = [(gpu, f"{p}_vs_{ref}") for gpu in conformance.ZOO_GPUS for p in ("
               for ref in ("fp32", "tf32")]
 COLUMNS = (["model", "params_m", "input_size", "input_fix", "gflop_per_image", "fp8_layers", "fp8_flop_share",
             "activation_meter"]
-           + [f"{gpu.replace(' ', '_')}_{key}" for gpu, key in RATIO_KEYS] + list(PRECISIONS)
+           + [f"{gpu.replace(' ', '_')}_{key}" for gpu, key in RATIO_KEYS]
+           + [f"{gpu.replace(' ', '_')}_launch_bound" for gpu in conformance.ZOO_GPUS] + list(PRECISIONS)
            + [f"{p}_why" for p in PRECISIONS] + ["roofline_why", "seconds"])
 
 
@@ -59,6 +60,8 @@ def check_one(name: str, params: dict, max_params: float, step_budget: float) ->
     ratios = rows["roofline"].get("ratios") or {}
     for gpu, key in RATIO_KEYS:
         out[f"{gpu.replace(' ', '_')}_{key}"] = (ratios.get(gpu) or {}).get(key)
+    for gpu in conformance.ZOO_GPUS:  # the precisions whose step its kernel launches bound there
+        out[f"{gpu.replace(' ', '_')}_launch_bound"] = " ".join((ratios.get(gpu) or {}).get("launch_bound") or [])
     if "flops_per_image" not in rows["roofline"]:
         out["roofline_why"] = rows["roofline"]["detail"]
     for p in PRECISIONS:
@@ -87,7 +90,8 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
              f"({cpu}, {torch.get_num_threads()} threads), in {took_s / 60:.1f} minutes. Data: CIFAR-10's shape "
              "(32x32, 10 classes) with the committed params.yaml; steps at a batch of 2 on the CPU (fp16 and fp8 "
              "emulated there: they show that the step runs, not its speed). Roofline ratios at batch 256, counted "
-             "on meta tensors: each precision's step if every kernel ran at its datasheet peak, against strict "
+             "on meta tensors: each precision's step (the longer of its kernels at their datasheet peaks and their "
+             "launches, one by one; L: launch-bound), against strict "
              "fp32 and against tf32.", "", "## Summary", ""]
     unchecked = [r for r in rows if r.get("not_checked")]
     needs_size = [r for r in rows if r["input_fix"] and not r.get("not_checked")]
@@ -127,7 +131,8 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
         for gpu in conformance.ZOO_GPUS:
             g = gpu.replace(" ", "_")
             cells.append(f"{_num(r[f'{g}_fp16_vs_fp32'])} / {_num(r[f'{g}_bf16_vs_fp32'])} "
-                         f"({_num(r[f'{g}_fp16_vs_tf32'])} / {_num(r[f'{g}_bf16_vs_tf32'])})")
+                         f"({_num(r[f'{g}_fp16_vs_tf32'])} / {_num(r[f'{g}_bf16_vs_tf32'])})"
+                         + (f" L: {r.get(f'{g}_launch_bound')}" if r.get(f"{g}_launch_bound") else ""))
         fp8 = f"{r['fp8_layers']} ({r['fp8_flop_share']:.0%})" if r["fp8_layers"] else "none"
         size = f"{r['input_size']}" + (" (set)" if r["input_fix"] else "")
         lines.append(f"| {r['model']} | {r['params_m']:,.1f}M | {size} | {_num(r['gflop_per_image'])} | {fp8} "

@@ -72,10 +72,8 @@ def test_env_check_refuses_an_fp8_micro_batch_cuda_cannot_run_and_says_so_on_a_c
     assert FP8.check_batches(hp, check.micro_batches(_cfg(24, recipe="rowwise_with_gw_hp"), "fp8"), "cuda") == []
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_every_fp8_gemm_of_training_the_profile_the_sweep_and_the_roofline_is_one_cuda_runs(tmp_path, cuda_rules,
-                                                                                           recipe):
-    cfg = _cfg(32, accum=2, recipe=recipe)  # micro-batches of 16: 272 rows
+def test_every_fp8_gemm_of_training_the_profile_the_sweep_and_the_roofline_is_one_cuda_runs(tmp_path, cuda_rules):
+    cfg = _cfg(32, accum=2)  # tensorwise, micro-batches of 16: 272 rows
     data.prepare(cfg.data, 0, tmp_path, tmp_path / "raw")
     prepared = data.load_prepared(tmp_path, "cpu")
     m = runner.train(runplan.make_plan(cfg, "f", "cpu"), prepared, progress=False).metrics
@@ -90,3 +88,9 @@ def test_every_fp8_gemm_of_training_the_profile_the_sweep_and_the_roofline_is_on
     # what CUDA refuses, the wrapper refuses: the micro-batch env_check turns away fails in training here
     with pytest.raises(RuntimeError, match="divisible by 16"):
         bench.run(24, 1)
+    rowwise = sweep.Bench(_cfg(32, recipe="rowwise"), prepared, torch.device("cpu"), "fp8")  # its scales per row
+    before = len(cuda_rules)
+    rowwise.run(16, 1)
+    assert len(cuda_rules) > before
+    with pytest.raises(RuntimeError, match="divisible by 16"):
+        rowwise.run(24, 1)

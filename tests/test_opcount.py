@@ -249,3 +249,44 @@ def test_every_registered_optimizer_is_counted_on_meta_tensors(name):
     assert step and sum(o.bytes for o in step) >= 4 * (48 * 32 + 32 + 32 * 10 + 10) * 2  # every weight read, written
     reads = [o for o in step if o.name == "host read (.item())"]
     assert bool(reads) == (name == "adafactor")
+
+
+def test_the_optimizer_clipping_and_the_backward_are_counted_as_the_gpu_runs_them():
+    """On CUDA SGD and AdamW run fused (the registry's auto): one multi-tensor pass reading parameters, gradients and
+    state once and writing parameters and state, not foreach's several; clipping adds the norm and the scaling, the
+    logged norm the norm alone; a convolution's backward reads the output's gradient once per gradient it makes, and
+    batch norm's backward makes two passes over its input and the output's gradient."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=True), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 10))
+    x, y = torch.empty(4, 3, 8, 8), torch.zeros(4, dtype=torch.long)
+    params = sum(p.numel() for p in model.parameters()) * 4
+
+    def opt(p):
+        return torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True)
+
+    def optimizer_ops(**kw):
+        return [op for op in opcount.count(copy.deepcopy(model), x, y, "fp32", opt, **kw) if op.phase == "optimizer"]
+
+    fused = optimizer_ops(fused=True)
+    assert [op.name for op in fused] == ["fused optimizer step"]
+    assert fused[0].bytes == 5 * params and fused[0].kernels == 1  # p, g, momentum read; p, momentum written
+    foreach = optimizer_ops()
+    assert len(foreach) > 1 and sum(op.bytes for op in foreach) > fused[0].bytes
+    clipped = {op.name for op in optimizer_ops(clip=1.0)}
+    assert {"_foreach_norm", "_foreach_mul_"} <= clipped
+    logged = {op.name for op in optimizer_ops(grad_norm=True)}
+    assert "_foreach_norm" in logged and "_foreach_mul_" not in logged - {op.name for op in foreach}
+    ops = opcount.count(copy.deepcopy(model), x, y, "fp32", opt)
+    conv = next(op for op in ops if op.name == "convolution_backward")
+    grad_out = 4 * 8 * 6 * 6 * 4
+    inputs = (4 * 3 * 8 * 8 + 8 * 3 * 3 * 3) * 4  # the input and the weight
+    written = (8 * 3 * 3 * 3 + 8) * 4  # the weight's and the bias's gradients (the input needs none)
+    assert conv.kernels == 2 and conv.bytes == grad_out * 2 + inputs + written
+    bn = next(op for op in ops if op.name == "native_batch_norm_backward")
+    assert bn.bytes >= 2 * (grad_out + grad_out)  # dy and x, each read twice
+    from ampbench.measure import roofline
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "data": {"source": "synthetic"},
+                            "train": {"batch_size": 8}})
+    counted = roofline.for_config(cfg, optim.for_count, precisions=("fp32", "fp16"))
+    assert [op.name for op in counted["ops"]["fp32"] if op.phase == "optimizer"] == ["fused optimizer step"]
+    assert "unscale (GradScaler)" in [op.name for op in counted["ops"]["fp16"] if op.phase == "optimizer"]

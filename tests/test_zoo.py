@@ -117,7 +117,7 @@ def test_check_model_over_the_families(tiny_params, arch):
     # the roofline counts every family (biased convolutions after biased convolutions included)
     assert rows["roofline"]["flops_per_image"] > 0, rows["roofline"]["detail"]
     ratios = rows["roofline"]["ratios"]["H100 SXM"]
-    # a launch-bound step (this batch's kernels outlast no launches) gains nothing from the precision: said so
+    # a step whose kernel launches outlast its kernels (launch-bound) gains little from the precision: said so
     assert (ratios["fp16_vs_fp32"] > 1 and ratios["bf16_vs_tf32"] > 0.9) or {"fp16", "bf16"} <= set(
         ratios["launch_bound"]), rows["roofline"]["detail"]
     assert [r["ok"] for r in result["rows"] if r["check"].startswith("step ")] == [True] * len(FAMILIES[arch]), \

@@ -77,6 +77,9 @@ FOREACH_MAX_TENSORS = (110, 64, 48, 36, 30)
 FOREACH_MAX_BLOCKS, FOREACH_CHUNK = 320, 65536
 
 
+BATCH_NORM_BACKWARD = ("native_batch_norm_backward", "cudnn_batch_norm_backward", "miopen_batch_norm_backward")
+
+
 def kernel_count(name: str, args: tuple, outs: list) -> int:
     """The CUDA kernels an aten op launches: a foreach op one per chunk of its tensor lists; a convolution's
     backward one per gradient it makes (input, weight, bias: cuDNN runs each as its own kernel); others one."""
@@ -144,6 +147,11 @@ class StepCounter(TorchDispatchMode):
         moved = sum(_bytes(t) for t in tensors) + sum(_bytes(t) for t in outs)
         if name.startswith("_foreach_") and name.endswith("_") and not outs and args and isinstance(args[0], list):
             moved += sum(_bytes(t) for t in args[0])  # an in-place foreach op returns nothing: it writes its first list
+        kernels = kernel_count(name, args, outs)
+        if name == "convolution_backward":  # each gradient's kernel reads the output's gradient again
+            moved += (kernels - 1) * _bytes(args[0])
+        elif name in BATCH_NORM_BACKWARD:  # two passes: the reductions over (dy, x), then dx from them
+            moved += _bytes(args[0]) + _bytes(args[1])
         counter = flop_registry.get(func._overloadpacket)
         flops = float(counter(*args, **kwargs, out_val=out)) if counter else 0.0
         if self.scaling_files and not flops and _called_from(self.scaling_files):
@@ -159,8 +167,7 @@ class StepCounter(TorchDispatchMode):
         fp8 = [d for d in map(_float8_data, floating) if d is not None]
         dtype = fp8[0].dtype if fp8 else floating[0].dtype if floating else (outs[0].dtype if outs else torch.float32)
         op_name = "cast" if name == "_to_copy" else name
-        self.ops.append(Op(op_name, str(dtype).removeprefix("torch."), flops, float(moved), self.phase,
-                           kernel_count(name, args, outs)))
+        self.ops.append(Op(op_name, str(dtype).removeprefix("torch."), flops, float(moved), self.phase, kernels))
         return out
 
     def _block_fp8_gemm(self, name: str, flops: float, tensors: list, operands: list, outs: list) -> None:
@@ -200,13 +207,16 @@ def _called_from(files: tuple[str, ...]) -> bool:
 
 
 def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
-          make_optimizer, recipe: str | None = None, ends: bool = False) -> list[Op]:
+          make_optimizer, recipe: str | None = None, ends: bool = False, fused: bool = False,
+          clip: float = 0.0, grad_norm: bool = False) -> list[Op]:
     """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors.
 
     ``model`` is prepared as the precision trains it (fp8: torchao converts its eligible Linear layers, whose
     GEMMs then run on float8 tensors) and moved to the meta device (pass a copy); ``make_optimizer(params)``
-    builds the optimizer the training uses. One step first, so the optimizer's state exists (the counted step is
-    a steady one).
+    builds the optimizer the training uses (one that runs on meta tensors: foreach); ``fused``: the GPU runs its
+    fused kernel instead, counted as one multi-tensor pass over parameters, gradients and state. ``clip`` > 0
+    clips the gradients' norm first, ``grad_norm`` takes it without clipping. One step first, so the optimizer's
+    state exists (the counted step is a steady one).
     """
     from ampbench.precision import rung
 
@@ -228,7 +238,15 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             counter.ops.append(Op("unscale (GradScaler)", "float32", 0.0, float(2 * sum(_bytes(g) for g in grads)),
                                   "optimizer"))
+        if clip or grad_norm:  # the gradients' norm (and, clipping, their scaling), as clip_grad_norm_ runs on CUDA
+            grads = [p.grad for p in model.parameters() if p.grad is not None]  # (its foreach path; meta: by hand)
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
+            if clip:
+                torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))
+        start = len(counter.ops)
         opt.step()
+        if fused:
+            counter.ops[start:] = [fused_step(opt)]
 
     fuse = rung.scaling_files
     with StepCounter(low, fuse, block_fp8) as first:  # the optimizer's state made; counted too: a failure is named
@@ -236,6 +254,20 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     with StepCounter(low, fuse, block_fp8) as counter:
         step(counter)
     return counter.ops
+
+
+def fused_step(opt: torch.optim.Optimizer) -> Op:
+    """A fused optimizer's step as the GPU runs it: one multi-tensor pass that reads every parameter, gradient and
+    state tensor once and writes the parameters and the state (torch's ``_fused_sgd_`` / ``_fused_adamw_``)."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    states = [[v for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.numel() == p.numel()]
+              for p in params]
+    p_bytes = sum(_bytes(p) for p in params)
+    s_bytes = sum(_bytes(v) for s in states for v in s)
+    lists = 2 + (len(states[0]) if states else 0)  # parameters, gradients, and each state tensor a parameter has
+    kernels = kernel_count("_fused_step_", tuple([params] * lists), [])
+    return Op("fused optimizer step", "float32", 0.0, float(2 * p_bytes + p_bytes + 2 * s_bytes), "optimizer",
+              kernels)
 
 
 def summarize_ops(ops: list[Op]) -> dict:
@@ -266,7 +298,10 @@ def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[
     x = torch.empty(batch, 3, size, size, device="meta")
     y = torch.empty(batch, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
+    # the optimizer as a GPU runs it (train.optimizer_impl, auto resolved for CUDA: fused where it skips cleanly)
     ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: make_optimizer(params, cfg.train),
-                    runplan.recipe(cfg, p), cfg.model.convert_ends) for p in precisions}
+                    runplan.recipe(cfg, p), cfg.model.convert_ends,
+                    fused=runplan.optimizer_impl(cfg, "", p, "cuda") == "fused", clip=cfg.train.clip_grad_norm,
+                    grad_norm=cfg.train.log_grad_norm) for p in precisions}
     return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
             "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}
