@@ -7,12 +7,13 @@ The train stages run one after another, each in its own process, so whatever cha
 tenant on a shared GPU or CPU, a throttled clock, a warmer card) lands on one variant alone, and a bootstrap over
 one process's steps turns that into a narrow interval around the wrong ratio. Here every variant gets a window of
 ``paired.steps`` timed optimizer steps (the engine's own step on the model, optimizer, compilation, recipe and
-TF32 setting its train stage uses, at train.batch_size, after one untimed step), and the windows go round in
-turns, ``paired.rounds`` times, the order rotated each round (A B C, B C A, C A B, ...): a drift lands on every
-variant alike, and each round gives a ratio to the strict-fp32 baseline measured seconds, not stages, apart. The
-report sets the rounds' median ratio beside the stages' and claims a variant faster (slower) than the baseline
-only where every round says so by more than ``MARGIN``: with 6 rounds chance does that with probability
-2 x 2^-6 = 3% (a two-sided sign test), so fewer than 6 rounds measure but claim nothing.
+TF32 setting its train stage uses, at train.batch_size, after ``WARM`` untimed steps), and the windows go round in
+turns, ``paired.rounds`` times, in the orders of a Williams design (A B C, B C A, C A B, C B A, A C B, B A C for
+three: each variant in every position and after every other equally often, so neither a drift nor what a heavy
+window leaves for the next favours one), and each round gives a ratio to the strict-fp32 baseline measured
+seconds, not stages, apart. The report sets the rounds' median ratio beside the stages' and claims a variant
+faster (slower) than the baseline only where every round says so by more than ``MARGIN``: with 6 rounds chance
+does that with probability 2 x 2^-6 = 3% (a two-sided sign test), so fewer than 6 rounds measure but claim nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ampbench.errors import analysis, first_line
 from ampbench.precision import BASELINE, set_tf32
 from ampbench.sweep.bench import Bench
 
+WARM = 2  # untimed steps at the start of each window: what the window before left behind, worked off
 CLAIM_ROUNDS = 6  # rounds that agree before a ratio is called faster or slower (sign test, two-sided p = 2 x 2^-6)
 MARGIN = 0.02  # a round's ratio within 2% of 1 says neither
 
@@ -43,6 +45,25 @@ def variants(cfg: Config) -> list[str]:
 def baseline(cfg: Config, names: list[str]) -> str | None:
     strict = [n for n in names if cfg.variants[n].precision == BASELINE]
     return "fp32" if "fp32" in strict else (strict[0] if strict else None)
+
+
+def orders(n: int) -> list[list[int]]:
+    """A Williams design for ``n`` variants: the orders the rounds take in turn, each variant in every position
+    equally often and after every other variant equally often (within a round), so what one window leaves behind
+    (a cache, the allocator, a clock after a heavy window) lands on every variant alike: n orders for an even n,
+    2n (the cyclic ones and their mirrors) for an odd n."""
+    if n < 2:
+        return [list(range(n))]
+    first = [0]  # 0, 1, n-1, 2, n-2, ...
+    lo, hi = 1, n - 1
+    while len(first) < n:
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(v + k) % n for v in first] for k in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
 def claim(ratios: list[float]) -> str | None:
@@ -86,15 +107,17 @@ def run_paired(cfg: Config, prepared: dict, device: torch.device) -> dict:
     order = list(benches)
     base = baseline(cfg, order)
     rates: dict[str, list[float]] = {n: [] for n in order}
+    design = orders(len(order))
     t0 = time.perf_counter()
     for r in range(rounds if base else 0):
-        turn = order[r % len(order):] + order[:r % len(order)]  # rotated: no variant always first
+        turn = [order[i] for i in design[r % len(design)]]
         for name in turn:
-            rates[name].append(window(name, steps, 1).imgs_per_s() or 0.0)
+            rates[name].append(window(name, steps, WARM).imgs_per_s() or 0.0)
         print(f"[paired] round {r + 1}/{rounds}: " + ", ".join(f"{n} {rates[n][-1]:,.0f} img/s" for n in turn)
               + f" ({time.perf_counter() - t0:.0f} s)", flush=True)
     out = {"enabled": True, "device": device.type, "batch": batch, "rounds": rounds, "steps": steps,
-           "order": "rotated each round", "claim_rounds": CLAIM_ROUNDS, "margin": MARGIN, "baseline": base,
+           "order": "a Williams design: each variant in every position, and after every other, equally often",
+           "claim_rounds": CLAIM_ROUNDS, "margin": MARGIN, "baseline": base,
            "not_made": not_made, "imgs_per_s": rates, "vs_fp32": {}}
     if base is None and not not_made.get("fp32"):
         out["why_no_ratio"] = "no one-process strict-fp32 variant without accumulation to take ratios against"
