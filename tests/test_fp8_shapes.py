@@ -39,7 +39,7 @@ def cuda_rules(monkeypatch):
 
 def _cfg(batch: int, accum: int = 1, recipe: str = "tensorwise", swept: tuple = (), **train) -> config.Config:
     # vit_tiny at 16x16: 16 patches and the class token, 17 rows per image in every converted layer
-    return config.from_dict({"device": "cpu", "data": {"source": "synthetic", "train_size": 64, "test_size": 32},
+    return config.from_dict({"device": "cpu", "data": {"source": "synthetic", "train_size": 32, "test_size": 16},
                              "model": {"arch": "vit_tiny", "input_size": 16}, "mlflow": {"enabled": False},
                              "train": {"epochs": 1, "batch_size": batch, "warmup_steps": 1, "eval_batch_size": 24,
                                        **train},

@@ -99,7 +99,7 @@ def test_env_check_counts_a_model_once_per_params_and_again_when_they_change(tmp
     assert len(counts) == 5 and len(list(tmp_path.glob("roofline-*.json"))) == 4
 
 
-def test_a_step_of_more_kernels_than_its_gpu_time_allows_is_launch_bound():
+def test_a_step_of_more_kernels_than_its_gpu_time_allows_is_launch_bound(resnet18_counted):
     """tv:shufflenet_v2_x0_5 at batch 256 on an H100 SXM: its kernels take 0.07 ms at the datasheet's peaks, but the
     host launches about 500 of them one by one, at LAUNCH_US each: the step is launch-bound, no faster than that.
     ResNet-18 (CIFAR) at batch 256 is not, on the same card."""
@@ -113,9 +113,7 @@ def test_a_step_of_more_kernels_than_its_gpu_time_allows_is_launch_bound():
     assert fp32["imgs_per_s"] < 256 / (fp32["kernels"] * 3e-6)  # no step faster than its launches
     # under CUDA graphs (no launches from the host) the floor goes, and the kernels' time is the step again
     assert not roofline.table(found["ops"], roofline.find_gpu("H100 SXM"), 256, launch_us=0)["fp32"]["launch_bound"]
-    resnet = roofline.for_config(config.from_dict({"device": "cpu", "data": {"source": "synthetic"}}), optim.for_count,
-                                 batch=256, precisions=("fp32", "fp16"))
-    assert not roofline.table(resnet["ops"], roofline.find_gpu("H100 SXM"), 256)["fp16"]["launch_bound"]
+    assert not roofline.table(resnet18_counted["ops"], roofline.find_gpu("H100 SXM"), 256)["fp16"]["launch_bound"]
 
 
 def test_kernels_are_counted_as_the_gpu_launches_them_and_in_place_writes_count():

@@ -94,9 +94,9 @@ def test_the_paired_check_is_not_fooled_by_a_machine_that_slows_down(tmp_path, m
     prepared = data.load_prepared(tmp_path, "cpu")
     calls = []
 
-    def slowing(*args, **kwargs):  # a step of fixed work on a machine that slows: 1 ms more each step
+    def slowing(*args, **kwargs):  # a step of fixed work on a machine that slows: 0.3 ms more each step
         calls.append(1)
-        time.sleep(0.02 + 0.001 * len(calls))
+        time.sleep(0.006 + 0.0003 * len(calls))
         return torch.tensor(1.0)
 
     seen = []  # each step's precision and the TF32 switch it ran under (the process's: set per window)
