@@ -110,6 +110,12 @@ def test_fp8_trains_compiled_on_cuda_by_default_and_eager_on_a_cpu_labelled_so()
         return ({n: runplan.make_plan(cfg, n, device).train.compile for n in v},
                 {p: runplan.for_precision(cfg, p, device).train.compile for p in ("fp32", "fp8")})
     assert config.from_dict({}).train.compile == "auto"
+    # a plan made by hand from a TrainConfig (the benchmarks do) resolves auto too: never the truthy string "auto"
+    hand = {"variant": "v", "accum_steps": 1, "seed": 0, "model": config.ModelConfig(), "train": config.TrainConfig(),
+            "amp": None}
+    assert runplan.RunPlan(precision="fp32", device="cuda", **hand).train.compile is False
+    assert runplan.RunPlan(precision="fp8", device="cuda", **hand).train.compile is True
+    assert runplan.RunPlan(precision="fp8", device="cpu", **hand).train.compile is False
     assert plans(None, "cuda") == ({"fp32": False, "f": True, "m": True}, {"fp32": False, "fp8": True})
     assert plans(None, "cpu") == ({"fp32": False, "f": False, "m": False}, {"fp32": False, "fp8": False})
     assert plans(False, "cuda") == ({"fp32": False, "f": False, "m": False}, {"fp32": False, "fp8": False})

@@ -177,6 +177,7 @@ def test_a_model_of_the_table_trains_through_dvc_repro(tmp_path):
     out = tmp_path / "zoo_pipeline"
     proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "zoo_pipeline.py"), "--models",
                            "tv:googlenet", "--out", str(out), "--set", "sweep.enabled=false",
+                           "--set", "paired.enabled=false",
                            "--set", "mlflow.enabled=false", "--set", "variants={fp32: {precision: fp32}, "
                            "bf16: {precision: bf16}}"], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -53,6 +53,13 @@ class RunPlan:
     placement: str = "device"     # resolved data.placement: device | stream
     workers: int = 0              # stream only: DataLoader worker processes (both absent from a device plan's file)
 
+    def __post_init__(self):
+        # a plan holds whether it compiles (true or false): train.compile auto resolved for its precision and device,
+        # however the plan was made (a benchmark's own TrainConfig too)
+        if not isinstance(self.train.compile, bool):
+            object.__setattr__(self, "train", dataclasses.replace(
+                self.train, compile=resolve_compile(self.train.compile, self.precision, self.device)))
+
 
 def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", placement: str = "device",
               workers: int = 0) -> RunPlan:
@@ -89,11 +96,16 @@ def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
 
 
 def compiled(cfg: Config, precision: str, device: str) -> bool:
-    """Whether ``precision`` trains compiled: train.compile, with auto resolved (a rung fast only under
-    torch.compile, on CUDA; a CPU runs it eager, since compiling would cost minutes there)."""
-    if cfg.train.compile == "auto":
+    """Whether ``precision`` trains compiled under params.yaml's train.compile."""
+    return resolve_compile(cfg.train.compile, precision, device)
+
+
+def resolve_compile(value: bool | str, precision: str, device: str) -> bool:
+    """train.compile with auto resolved: a rung fast only under torch.compile, on CUDA (a CPU runs it eager, since
+    compiling would cost minutes there)."""
+    if value == "auto":
         return device == "cuda" and rung(precision).fast_compiled
-    return bool(cfg.train.compile)
+    return bool(value)
 
 
 def optimizer_impl(cfg: Config, impl: str, precision: str, device: str) -> str:
