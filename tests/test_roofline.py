@@ -52,6 +52,8 @@ def test_a_gpu_name_finds_its_own_row_and_no_namesakes():
     from ampbench import env
     from ampbench.measure.flops import datasheet_row
     assert roofline.find_gpu("rtx  5090")["name"] == "RTX 5090"
+    assert "fp8 peak (419 TFLOP/s with FP32 accumulation) is the whitepaper's alone" in \
+        roofline.find_gpu("RTX 5090")["source"]  # a datasheet peak no measurement backs, marked so
     assert roofline.find_gpu("NVIDIA A100-SXM4-80GB")["name"] == "A100 80GB SXM"  # torch's name for it
     found = {n: (datasheet_row(n) or {}).get("name") for n in (
         "NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 4090", "NVIDIA H200", "NVIDIA H100 80GB HBM3",

@@ -69,7 +69,9 @@ DATASHEET = [
                               tf32=None, fp16=112.0, fp8=None, bf16_as_fp16=False)),
     (r"\bT4\b", _row("T4", "NVIDIA T4 datasheet", 320, fp32=8.1, tf32=None, fp16=65.0, fp8=None,
                      bf16_as_fp16=False)),
-    (r"RTX 5090$", _row("RTX 5090", _BLACKWELL, 1792, fp32=104.8, tf32=104.8, fp16=209.5, fp8=419.0)),
+    (r"RTX 5090$", _row("RTX 5090", _BLACKWELL + "; its fp8 peak (419 TFLOP/s with FP32 accumulation) is the "
+                        "whitepaper's alone: no measurement here backs it", 1792, fp32=104.8, tf32=104.8, fp16=209.5,
+                        fp8=419.0)),
     (r"RTX 4090$", _row("RTX 4090", _ADA, 1008, fp32=82.6, tf32=82.6, fp16=165.2, fp8=330.3)),
     (r"RTX 3090$", _row("RTX 3090", _AMPERE, 936, fp32=35.6, tf32=35.6, fp16=71.0, fp8=None)),
 ]
