@@ -195,14 +195,14 @@ def test_every_analysis_failing_at_once_still_gives_a_report(tmp_path, tiny_para
     tiny_params["data"].update(train_size=64, test_size=32)
     tiny_params["profile"] = {"steps": 1}
     tiny_params["mlflow"]["log_model"] = True  # its failure too
-    tiny_params["paired"] = {"enabled": True, "rounds": 1, "steps": 1}
     repo = sandbox.create(tmp_path / "repo", tiny_params)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     proc = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=repo, capture_output=True, text=True,
                           timeout=900, env={**sandbox.env_with_venv(), FAIL: "all"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stdout + proc.stderr
-    skipped = ("largest_batch", "fp8_census")  # no sweep made, no largest batch to search; no fp8 variant
+    # no sweep made, no largest batch to search; no fp8 variant; the paired check off (its failure: test_steadiness)
+    skipped = ("largest_batch", "fp8_census", "paired")
     for name, what in errors.ANALYSES.items():  # each one warned of, in one line
         assert name in skipped or f"warning: {what} could not be made for " in proc.stdout, what
     md = (repo / "reports" / "report.md").read_text()
@@ -210,8 +210,7 @@ def test_every_analysis_failing_at_once_still_gives_a_report(tmp_path, tiny_para
                  "The accumulation check could not be made for `amp_accum`", "Could not be made: fp32 at batch 8",
                  "The numerics audit could not be made for `amp_accum`", "Figure throughput.png could not be drawn",
                  "The activation-memory meter could not be made for `fp32`",
-                 "The FLOP count could not be made for `amp_accum`",
-                 "The paired check could not be made (RuntimeError"):
+                 "The FLOP count could not be made for `amp_accum`"):
         assert line in md, line
     summary = json.loads((repo / "reports" / "summary.json").read_text())
     assert summary["variants"]["amp_accum"]["speedup"] > 0  # what training measured is all there

@@ -121,3 +121,28 @@ def test_the_paired_check_is_not_fooled_by_a_machine_that_slows_down(tmp_path, m
     calls.clear()
     one_by_one = {p: [b.run(8, 2, warmup=1).imgs_per_s() for _ in range(6)] for p, b in benches.items()}
     assert sum(one_by_one["tf32"]) / sum(one_by_one["fp32"]) < 0.75
+
+
+def test_a_paired_check_that_fails_is_said_and_the_stage_still_writes_its_file(tmp_path, monkeypatch):
+    """The paired check is an analysis: made to fail, the stage warns in one line, writes paired.json with why, and
+    the report says it could not be made."""
+    import json
+    import sys
+
+    from ampbench import errors, sandbox
+    from ampbench.report import sections
+    data.prepare(config.DataConfig(source="synthetic", train_size=16, test_size=8), 0, tmp_path / "p", tmp_path / "r")
+    (tmp_path / "params.yaml").write_text("device: cpu\nmodel: {arch: small_cnn}\ntrain: {batch_size: 8}\n")
+    (tmp_path / "env.json").write_text('{"torch": "x", "cuda_available": false, "cuda_runtime": null, "gpu": null}')
+    import subprocess
+    proc = subprocess.run([sys.executable, str(sandbox.REPO_ROOT / "stages" / "paired.py"), "--params",
+                           str(tmp_path / "params.yaml"), "--data", str(tmp_path / "p"), "--env",
+                           str(tmp_path / "env.json"), "--out", str(tmp_path / "paired.json")],
+                          env={**sandbox.env_with_venv(), errors.FAIL_ON_PURPOSE: "paired"}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "warning: the paired check could not be made for small_cnn" in proc.stdout
+    found = json.loads((tmp_path / "paired.json").read_text())
+    assert found["enabled"] and found["error"].startswith("RuntimeError: failed on purpose")
+    lines = sections.steadiness({"variants": {}, "paired": found}, {}, {})
+    assert any(line.startswith("The paired check could not be made (RuntimeError") for line in lines)
