@@ -290,3 +290,23 @@ def test_the_optimizer_clipping_and_the_backward_are_counted_as_the_gpu_runs_the
     counted = roofline.for_config(cfg, optim.for_count, precisions=("fp32", "fp16"))
     assert [op.name for op in counted["ops"]["fp32"] if op.phase == "optimizer"] == ["fused optimizer step"]
     assert "unscale (GradScaler)" in [op.name for op in counted["ops"]["fp16"] if op.phase == "optimizer"]
+
+
+def test_an_inference_count_is_one_forward_pass_in_eval_mode():
+    """``inference``: the forward alone (no loss, backward or optimizer), batch norm with its running statistics,
+    the same FLOPs as torch's counter on the forward, each weight cast once; what published inference figures
+    are set beside."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(8 * 6 * 6, 10))
+    x, y = torch.empty(4, 3, 8, 8), torch.zeros(4, dtype=torch.long)
+    ops = opcount.count(copy.deepcopy(model), x, y, "fp16", None, inference=True)
+    assert {op.phase for op in ops} == {"forward"} and not any("backward" in op.name for op in ops)
+    bn = next(op for op in ops if op.name == "native_batch_norm")
+    activation = 4 * 8 * 6 * 6 * 2  # fp16: read once and written once, beside a few vectors of 8 (its statistics)
+    assert 2 * activation <= bn.bytes <= 2 * activation + 6 * 8 * 4  # eval mode: no batch statistics to take
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        copy.deepcopy(model).eval()(x)
+    assert sum(op.flops for op in ops) == counter.get_total_flops()
+    training = opcount.count(copy.deepcopy(model), x, y, "fp16", lambda p: torch.optim.SGD(p, lr=0.1))
+    assert sum(op.flops for op in training) > 2 * sum(op.flops for op in ops)  # a backward (no input gradient)

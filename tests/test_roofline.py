@@ -3,6 +3,7 @@ count kept per params."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -48,7 +49,8 @@ def test_resnet18_on_an_rtx_5090_gains_about_2x_from_fp16(resnet18_counted):
 
 def test_a_gpu_name_finds_its_own_row_and_no_namesakes():
     """A laptop part (a third of the compute), a China-market D part and a Grace Hopper superchip's GPU are not
-    their namesakes: no row, so no figures from another card; the command refuses them with the table's cards."""
+    their namesakes: their own row where the table has one, else none, so no figures from another card; the command
+    refuses them with the table's cards, and names the cards left out for want of a source."""
     from ampbench import env
     from ampbench.measure.flops import datasheet_row
     assert roofline.find_gpu("rtx  5090")["name"] == "RTX 5090"
@@ -57,14 +59,19 @@ def test_a_gpu_name_finds_its_own_row_and_no_namesakes():
     assert roofline.find_gpu("NVIDIA A100-SXM4-80GB")["name"] == "A100 80GB SXM"  # torch's name for it
     found = {n: (datasheet_row(n) or {}).get("name") for n in (
         "NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 4090", "NVIDIA H200", "NVIDIA H100 80GB HBM3",
-        "NVIDIA H100 PCIe", "Tesla V100-SXM2-16GB", "Tesla V100-PCIE-16GB", "NVIDIA GeForce RTX 3090")}
+        "NVIDIA H100 PCIe", "Tesla V100-SXM2-16GB", "Tesla V100-PCIE-16GB", "NVIDIA GeForce RTX 3090",
+        "Tesla V100S-PCIE-32GB", "NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e", "NVIDIA RTX A6000",
+        "NVIDIA RTX 6000 Ada Generation", "NVIDIA GeForce RTX 4090 Laptop GPU")}
     assert list(found.values()) == ["RTX 5090", "RTX 4090", "H200", "H100 SXM", "H100 PCIe", "V100", "V100 PCIe",
-                                    "RTX 3090"]
-    for part in ("NVIDIA GeForce RTX 4090 Laptop GPU", "NVIDIA GeForce RTX 5090 Laptop GPU",
-                 "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 5090 D", "NVIDIA GH200 480GB",
-                 "Tesla V100S-PCIE-32GB", "NVIDIA GeForce RTX 3090 Ti", "NVIDIA RTX A6000"):
+                                    "RTX 3090", "V100S PCIe", "GH200 96GB HBM3", "GH200 144GB HBM3e", "RTX A6000",
+                                    "RTX 6000 Ada", "RTX 4090 Laptop"]  # each part its own row, never a namesake's
+    with pytest.raises(ConfigError, match=r"left out for want of a source: RTX PRO 6000 Blackwell \(Workstation"):
+        roofline.find_gpu("RTX PRO 6000 Blackwell")
+    for part in ("NVIDIA GeForce RTX 5090 Laptop GPU", "NVIDIA GeForce RTX 4080 Laptop GPU",
+                 "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 5090 D", "NVIDIA GB200",
+                 "NVIDIA GeForce RTX 3090 Ti", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"):
         assert datasheet_row(part) is None, part
-        with pytest.raises(ConfigError, match="is not in the datasheet table.*the table has: B200, H200 NVL"):
+        with pytest.raises(ConfigError, match="is not in the datasheet table.*the table has: B200, GH200 144GB HBM3e"):
             roofline.find_gpu(part)
         warned = env.warnings_for({"gpu": {"name": part, "capability": "8.9", "tensor_cores": True}})
         assert any(f"{part} is not in the datasheet table" in w and "n/a" in w for w in warned)
@@ -78,6 +85,20 @@ def test_roofline_command_prints_every_gpu_and_refuses_a_bad_name(tmp_path):
     assert "| RTX 5090 |" in out.stdout and "| H100 SXM |" in out.stdout and "What a roofline is" in out.stdout
     bad = subprocess.run(run + ["--gpu", "RTX 9999"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "the table has: B200" in bad.stderr
+
+
+def test_the_roofline_of_an_inference_pass_counts_the_forward_alone(tmp_path, monkeypatch, capsys):
+    from ampbench import cli
+    (tmp_path / "params.yaml").write_text("device: cpu\ndata: {source: synthetic}\nmodel: {arch: small_cnn}\n")
+    args = ["ampbench", "roofline", "--params", str(tmp_path / "params.yaml"), "--gpu", "RTX 5090", "--batch", "64"]
+    for extra in ([], ["--inference"]):
+        monkeypatch.setattr(sys, "argv", args + extra)
+        cli.main()
+    train, infer = capsys.readouterr().out.split("What a roofline is")[:2]
+    assert "one training step" in train and "optimizer and loss included" in train
+    assert "one inference pass (forward only, eval mode, no gradients)" in infer and "optimizer" not in infer
+    gflop = [float(re.search(r"([\d.,]+) GFLOP", t).group(1)) for t in (train, infer)]
+    assert 2 < gflop[0] / gflop[1] < 3.1  # forward and backward against the forward alone
 
 
 def test_env_check_counts_a_model_once_per_params_and_again_when_they_change(tmp_path, monkeypatch):

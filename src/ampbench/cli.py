@@ -164,14 +164,18 @@ def roofline_cmd(args) -> None:
     if args.batch < 0:
         raise ConfigError(f"--batch {args.batch}: give a batch of 1 or more images (or 0 for train.batch_size)")
     cfg = config.load(args.params)
-    found = roofline.for_config(cfg, optim.for_count, args.batch or None)
+    found = roofline.for_config(cfg, optim.for_count, args.batch or None, inference=args.inference)
     s = found["summary"]
     closest = roofline.closest_default(s["conv_flop_share"])
-    print(f"Roofline of one training step: {found['model']}, batch {found['batch']}, {found['input_size']}x"
-          f"{found['input_size']} inputs, optimizer and loss included (counted on meta tensors in "
+    what = ("one inference pass (forward only, eval mode, no gradients)" if args.inference
+            else "one training step")
+    print(f"Roofline of {what}: {found['model']}, batch {found['batch']}, {found['input_size']}x"
+          f"{found['input_size']} inputs{'' if args.inference else ', optimizer and loss included'} (counted on "
+          f"meta tensors in "
           f"{found['count_s']:.1f} s)\n{s['flops'] / 1e9:,.1f} GFLOP and {s['bytes'] / 1e9:,.2f} GB moved per step "
           f"in fp32; {s['conv_flop_share']:.0%} of the FLOPs in convolutions, so plain PyTorch (TF32 convolutions, "
-          f"IEEE matmuls) runs this model closest to {closest}.\n")
+          f"IEEE matmuls) runs this model closest to {closest}.\n".replace("per step", "per pass" if args.inference
+                                                                            else "per step"))
     precisions = list(found["ops"])
     if rows:
         row = rows[0]
@@ -270,6 +274,8 @@ def main() -> None:
     r.add_argument("--batch", type=int, default=0, help="images per step (default: train.batch_size)")
     r.add_argument("--launch-us", type=float, default=None, help="the host's least time per kernel launch, in "
                    "microseconds (default 4; make gpu-validate measures a machine's)")
+    r.add_argument("--inference", action="store_true", help="count one forward pass in eval mode without gradients "
+                   "(to set beside published inference figures) instead of a training step")
     m = sub.add_parser("check-model", help="will a model run here? input size, roofline, fp8, one step per "
                                            "precision (seconds to a minute on a CPU)")
     m.add_argument("model", help="a model.arch (resnet18, vit_tiny, tv:<torchvision name>) or a factory "

@@ -39,14 +39,24 @@ _A100 = "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM: 2,039 GB/s; 40GB: 1,55
 _BLACKWELL = "NVIDIA RTX Blackwell GPU architecture whitepaper (FP32-accumulate tensor rates)"
 _ADA = "NVIDIA Ada GPU architecture whitepaper (FP32-accumulate tensor rates)"
 _AMPERE = "NVIDIA Ampere GA102 GPU architecture whitepaper (FP32-accumulate tensor rates)"
+_GH200 = ("NVIDIA GH200 Grace Hopper Superchip datasheet, dense rates (67 TF FP32, 494 TF TF32, 990 TF FP16/BF16, "
+          "1,979 TF FP8; 96GB HBM3 up to 4 TB/s, 144GB HBM3e up to 4.9 TB/s), as transcribed at https://github.com/"
+          "atineoSE/coding-model-seeks-gpu/blob/main/pipeline/pipeline/sources/gh200_specs.md")
 
 # name pattern (first match wins: the specific before the general) -> name, cited source, GB/s, dense TFLOP/s.
 # A pattern matches the card it names and no other: not its laptop part (a third of the compute, 576 to 896 GB/s),
-# not a China-market "D" part, not a Grace Hopper superchip's GPU for an H100 or H200 row (``_NOT_THE_PART``).
+# not a China-market "D" part, not a Grace Hopper superchip's GPU for an H100 or H200 row (``_NOT_THE_PART``: such
+# a part matches only a row of its own). A figure the cited page does not print is marked "derived" in the source.
 DATASHEET = [
     (r"\bB200\b", _row("B200", "NVIDIA HGX B200 datasheet, per GPU (600 TF FP32, 18 PF TF32*, 36 PF FP16*, "
-                        "72 PF FP8* for 8; MXFP8 at the FP8 rate)", 8000, fp32=75.0, tf32=1125.0, fp16=2250.0,
+                        "72 PF FP8* for 8; MXFP8 at the FP8 rate); memory 7.7 TB/s per GPU (180 GB HBM3e; 8 TB/s is "
+                        "GB200's), as NVIDIA's GB200 NVL72 / HGX B200 table is reproduced at https://zdszero.github.io/"
+                        "Computer/Artificial_Intelligence/Hardware.html", 7700, fp32=75.0, tf32=1125.0, fp16=2250.0,
                         fp8=4500.0, mxfp8=4500.0)),
+    # Grace Hopper's GPU: the H100's tensor rates, its own memory (96GB HBM3, sold as "GH200 480GB"; 144GB HBM3e)
+    (r"\bGH200\b.*(144G|HBM3e)", _row("GH200 144GB HBM3e", _GH200, 4900, fp32=67.0, tf32=494.0, fp16=990.0,
+                                          fp8=1979.0)),
+    (r"\bGH200\b", _row("GH200 96GB HBM3", _GH200, 4000, fp32=67.0, tf32=494.0, fp16=990.0, fp8=1979.0)),
     (r"\bH200 NVL\b", _row("H200 NVL", _H200, 4800, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
     (r"\bH200\b", _row("H200", _H200 + " (SXM)", 4800, fp32=67.0, tf32=494.7, fp16=989.4, fp8=1978.9)),
     (r"\bH100 NVL\b", _row("H100 NVL", _HOPPER, 3900, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
@@ -61,6 +71,9 @@ DATASHEET = [
     (r"\bA40\b", _row("A40", "NVIDIA A40 datasheet", 696, fp32=37.4, tf32=74.8, fp16=149.7, fp8=None)),
     (r"\bA10\b", _row("A10", "NVIDIA A10 datasheet", 600, fp32=31.2, tf32=62.5, fp16=125.0, fp8=None)),
     # mixed-precision FP16 tensor cores, no TF32 or BF16
+    (r"\bV100S\b", _row("V100S PCIe", "NVIDIA V100 datasheet's V100S PCIe column (16.4 TF FP32, 130 TF tensor, "
+                         "1,134 GB/s), as reproduced at https://github.com/cx2a/Guts/blob/main/01_warmup/README.md",
+                         1134, fp32=16.4, tf32=None, fp16=130.0, fp8=None, bf16_as_fp16=False)),
     (r"\bV100\b.*SXM", _row("V100", "NVIDIA V100 Tensor Core GPU datasheet (SXM2)", 900, fp32=15.7, tf32=None,
                              fp16=125.0, fp8=None, bf16_as_fp16=False)),
     (r"\bV100\b.*PCIE", _row("V100 PCIe", "NVIDIA Tesla V100 PCIe product brief PB-08744-001 (1370 MHz boost: 14 TF "
@@ -69,6 +82,21 @@ DATASHEET = [
                               tf32=None, fp16=112.0, fp8=None, bf16_as_fp16=False)),
     (r"\bT4\b", _row("T4", "NVIDIA T4 datasheet", 320, fp32=8.1, tf32=None, fp16=65.0, fp8=None,
                      bf16_as_fp16=False)),
+    (r"RTX 6000 Ada", _row("RTX 6000 Ada", "NVIDIA RTX 6000 Ada datasheet (91.1 TF FP32, 960 GB/s, FP8 1,457 TF with "
+                            "sparsity: 728.5 dense), as transcribed at https://github.com/atineoSE/coding-model-seeks-"
+                            "gpu/blob/main/pipeline/pipeline/sources/rtx6000ada_specs.md; FP16/BF16 and TF32 derived, "
+                            "not quoted: a half and a quarter of FP8, as on the L40S datasheet (the same AD102)", 960,
+                            fp32=91.1, tf32=182.1, fp16=364.25, fp8=728.5)),
+    (r"RTX A6000$", _row("RTX A6000", "38.7 TF FP32 and 768 GB/s (https://servethehome.com/nvidia-rtx-a6000-48gb-gpu-"
+                         "drops-quadro-designation); 154.8 TF FP16/BF16 with FP32 accumulation, dense (https://llmperf."
+                         "net/categories/gpu/Nvidia-A6000-GPUs, from the GA102 whitepaper); TF32 derived, not quoted: "
+                         "half that, as on the A40's datasheet (the same GA102: 74.8 and 149.7)", 768, fp32=38.7,
+                         tf32=77.4, fp16=154.8, fp8=None)),
+    (r"RTX 4090 Laptop", _row("RTX 4090 Laptop", "https://hmc-tech.com/gpu/nvidia-geforce-rtx-4090-laptop-140w: the "
+                              "140 W part at its 1,950 MHz boost (37.94 TF FP32 and TF32, 75.88 TF FP16 and 151.76 TF "
+                              "FP8 with FP32 accumulation, 576 GB/s); laptops run it at 80 to 150 W (boost 1,455 to "
+                              "2,040 MHz, https://nvidia.com/de-de/geforce/gaming-laptops/compare), so one set lower "
+                              "runs below this row", 576, fp32=37.94, tf32=37.94, fp16=75.88, fp8=151.76)),
     (r"RTX 5090$", _row("RTX 5090", _BLACKWELL + "; its fp8 peak (419 TFLOP/s with FP32 accumulation) is the "
                         "whitepaper's alone: no measurement here backs it", 1792, fp32=104.8, tf32=104.8, fp16=209.5,
                         fp8=419.0)),
@@ -76,14 +104,22 @@ DATASHEET = [
     (r"RTX 3090$", _row("RTX 3090", _AMPERE, 936, fp32=35.6, tf32=35.6, fp16=71.0, fp8=None)),
 ]
 _NOT_THE_PART = re.compile(r"Laptop|Mobile|Max-Q|\bGH200\b|\bGH100\b|\bGB200\b")
+# cards left out for want of a page that sources their row (the pages held give no dense tensor rate, or one the
+# chip cannot reach); docs/roofline.md lists them, and --gpu names them when refused
+MISSING = ("RTX PRO 6000 Blackwell (Workstation, Server and Max-Q editions: FP32, sparse FP4 and bandwidth only)",
+           "RTX 5090 Laptop (the one page held gives an FP16 rate its 82 SMs cannot reach at Blackwell's rate per SM)",
+           "RTX 4080 Laptop and RTX 3080 Laptop (no tensor rate)", "GB200 (its GPU's own row)")
 
 
 def datasheet_row(gpu_name: str | None) -> dict | None:
     """The datasheet row of ``gpu_name`` (torch's device name), or None: unknown, or a MIG slice."""
-    if not gpu_name or "MIG" in gpu_name or _NOT_THE_PART.search(gpu_name):
+    if not gpu_name or "MIG" in gpu_name:
         return None
     name = gpu_name.strip()
-    return next((row for pattern, row in DATASHEET if re.search(pattern, name)), None)
+    row = next((row for pattern, row in DATASHEET if re.search(pattern, name)), None)
+    if row and _NOT_THE_PART.search(name) and not _NOT_THE_PART.search(row["name"]):
+        return None  # a laptop or Grace part matches a row of its own or none
+    return row
 
 
 def datasheet_peak(gpu_name: str | None, precision: str) -> float | None:

@@ -208,8 +208,9 @@ def _called_from(files: tuple[str, ...]) -> bool:
 
 def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
           make_optimizer, recipe: str | None = None, ends: bool = False, fused: bool = False,
-          clip: float = 0.0, grad_norm: bool = False) -> list[Op]:
-    """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors.
+          clip: float = 0.0, grad_norm: bool = False, inference: bool = False) -> list[Op]:
+    """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors
+    (``inference``: of one forward pass in eval mode without gradients, as an inference benchmark times it).
 
     ``model`` is prepared as the precision trains it (fp8: torchao converts its eligible Linear layers, whose
     GEMMs then run on float8 tensors) and moved to the meta device (pass a copy); ``make_optimizer(params)``
@@ -224,8 +225,14 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     block_fp8 = rung.converted_gemms(model, recipe, ends)
     model = rung.roofline_model(model, recipe, ends).to("meta")
     x, y = x.to("meta"), y.to("meta")
-    opt = make_optimizer(model.parameters())
     low = getattr(torch, rung.autocast) if rung.autocast else None
+    fuse = rung.scaling_files
+    if inference:
+        model.eval()
+        with StepCounter(low, fuse, block_fp8) as counter, torch.no_grad():
+            model(x)
+        return counter.ops
+    opt = make_optimizer(model.parameters())
 
     def step(counter: StepCounter):
         opt.zero_grad(set_to_none=True)
@@ -248,7 +255,6 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         if fused:
             counter.ops[start:] = [fused_step(opt)]
 
-    fuse = rung.scaling_files
     with StepCounter(low, fuse, block_fp8) as first:  # the optimizer's state made; counted too: a failure is named
         step(first)
     with StepCounter(low, fuse, block_fp8) as counter:
@@ -280,10 +286,12 @@ def summarize_ops(ops: list[Op]) -> dict:
             "by_category": by_cat}
 
 
-def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[str, ...] | None = None) -> dict:
+def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[str, ...] | None = None,
+               inference: bool = False) -> dict:
     """Count one training step of params.yaml's model at ``batch`` (train.batch_size) for each precision, its
     optimizer built by ``make_optimizer(params, cfg.train)`` (one that runs on meta tensors: foreach or for_loop):
-    ``{"ops": {precision: [Op]}, "summary": summarize_ops of fp32, "model": name, ...}``."""
+    ``{"ops": {precision: [Op]}, "summary": summarize_ops of fp32, "model": name, ...}``; ``inference``: one
+    forward pass in eval mode instead."""
     import copy
     import time
 
@@ -302,6 +310,6 @@ def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[
     ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: make_optimizer(params, cfg.train),
                     runplan.recipe(cfg, p), cfg.model.convert_ends,
                     fused=runplan.optimizer_impl(cfg, "", p, "cuda") == "fused", clip=cfg.train.clip_grad_norm,
-                    grad_norm=cfg.train.log_grad_norm) for p in precisions}
+                    grad_norm=cfg.train.log_grad_norm, inference=inference) for p in precisions}
     return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
-            "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}
+            "batch": batch, "input_size": size, "inference": inference, "count_s": time.perf_counter() - t0}

@@ -37,13 +37,13 @@ def find_gpu(name: str) -> dict:
     rows = {norm(row["name"]): row for _, row in DATASHEET}
     if norm(name) in rows:
         return rows[norm(name)]
-    from ampbench.measure.flops import datasheet_row
+    from ampbench.measure.flops import MISSING, datasheet_row
     row = datasheet_row(name)  # as torch names the GPU: "NVIDIA A100-SXM4-80GB", or "A100" (the table's first match)
     if row:
         return row
     raise ConfigError(f"--gpu {name!r} is not in the datasheet table (a laptop, D or Grace part is not its desktop "
                       f"or datacenter namesake: other clocks, memory and power); the table has: "
-                      f"{', '.join(gpu_names())} (or --gpu all)")
+                      f"{', '.join(gpu_names())} (or --gpu all); left out for want of a source: {'; '.join(MISSING)}")
 
 
 def _rate(op: Op, precision: str, row: dict) -> float | None:
