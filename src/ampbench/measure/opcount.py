@@ -80,16 +80,22 @@ FOREACH_MAX_BLOCKS, FOREACH_CHUNK = 320, 65536
 BATCH_NORM_BACKWARD = ("native_batch_norm_backward", "cudnn_batch_norm_backward", "miopen_batch_norm_backward")
 
 
+def multi_tensor_kernels(lists: list, in_place: bool) -> int:
+    """The launches of one multi-tensor op over ``lists`` (parallel tensor lists; one more, its outputs, unless
+    ``in_place``): one per chunk of tensors or of blocks, by ATen's limits."""
+    if not lists:
+        return 1
+    depth = min(len(lists) + (0 if in_place else 1), len(FOREACH_MAX_TENSORS))
+    chunks = sum(-(-t.numel() // FOREACH_CHUNK) for t in lists[0])
+    return max(1, -(-len(lists[0]) // FOREACH_MAX_TENSORS[depth - 1]), -(-chunks // FOREACH_MAX_BLOCKS))
+
+
 def kernel_count(name: str, args: tuple, outs: list) -> int:
     """The CUDA kernels an aten op launches: a foreach op one per chunk of its tensor lists; a convolution's
     backward one per gradient it makes (input, weight, bias: cuDNN runs each as its own kernel); others one."""
     if name.startswith(("_foreach_", "_fused_")):
         lists = [a for a in args if isinstance(a, list | tuple) and a and isinstance(a[0], torch.Tensor)]
-        if not lists:
-            return 1
-        depth = min(len(lists) + (0 if name.endswith("_") else 1), len(FOREACH_MAX_TENSORS))  # outputs: a list too
-        chunks = sum(-(-t.numel() // FOREACH_CHUNK) for t in lists[0])
-        return max(1, -(-len(lists[0]) // FOREACH_MAX_TENSORS[depth - 1]), -(-chunks // FOREACH_MAX_BLOCKS))
+        return multi_tensor_kernels(lists, in_place=name.endswith("_"))
     if name == "convolution_backward":
         return max(1, len(outs))
     return 1
@@ -271,7 +277,7 @@ def fused_step(opt: torch.optim.Optimizer) -> Op:
     p_bytes = sum(_bytes(p) for p in params)
     s_bytes = sum(_bytes(v) for s in states for v in s)
     lists = 2 + (len(states[0]) if states else 0)  # parameters, gradients, and each state tensor a parameter has
-    kernels = kernel_count("_fused_step_", tuple([params] * lists), [])
+    kernels = multi_tensor_kernels([params] * lists, in_place=True)
     return Op("fused optimizer step", "float32", 0.0, float(2 * p_bytes + p_bytes + 2 * s_bytes), "optimizer",
               kernels)
 

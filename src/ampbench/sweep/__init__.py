@@ -139,6 +139,7 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
     precisions = sweep_precisions(cfg)
     failed = []  # points (and largest-batch searches) that could not be made, with why
     left_out = []  # points a CPU would take longer than sweep.cpu_point_budget_s over, with why
+    compiles = {p: runplan.for_precision(cfg, p, device.type).train.compile for p in precisions}
     for precision in precisions:
         wanted.update(f"{precision}-{batch}.json" for batch in cfg.sweep.batch_sizes)  # kept, even if this fails
         bench, why = analysis("sweep", f"{models.name(cfg.model)} ({precision}: its setup)", Bench, cfg, prepared,
@@ -147,7 +148,7 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
             failed += [{"precision": precision, "batch_size": b, "error": why} for b in cfg.sweep.batch_sizes]
             continue
         points, budget = [], PointBudget(cfg, device)
-        compiled = runplan.for_precision(cfg, precision, device.type).train.compile
+        compiled = compiles[precision]
         for batch in sorted(cfg.sweep.batch_sizes):
             path = points_dir / f"{precision}-{batch}.json"
             key = point_key(cfg, precision, batch, prepared["meta"], env_fingerprint, model_source, code, compiled)
@@ -191,8 +192,7 @@ def run_sweep(cfg: Config, prepared: dict, device: torch.device, out: Path, env_
               "batch_sizes": list(cfg.sweep.batch_sizes), "steps": cfg.sweep.steps, "warmup": WARMUP, "points": rows,
               "largest": largest, "reused_points": reused, "measured_points": len(rows) - reused,
               "not_made": failed, "left_out": left_out,
-              "eager": [p for p in precisions if rung(p).fast_compiled  # each point's key holds whether it compiled
-                        and not runplan.for_precision(cfg, p, device.type).train.compile],
+              "eager": [p for p in precisions if rung(p).fast_compiled and not compiles[p]],  # in each point's key
               "cpu_point_budget_s": cfg.sweep.cpu_point_budget_s if device.type == "cpu" else None}
     write_json(out / "max.json", largest)
     atomic_write(out / "sweep.csv", csv_text(rows, SWEEP_COLUMNS))
