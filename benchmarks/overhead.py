@@ -93,7 +93,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--target", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: its default); 1 is steadier on "
+                                                          "a small shared machine, where two threads meet neighbours")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prepared = data.synthetic_in_memory(args.images, 256, seed=0, device=args.device)
     x_u8, y = prepared["train"]
