@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: its default); 1 is steadier on "
                                                           "a small shared machine, where two threads meet neighbours")
     args = ap.parse_args()
+    if args.threads < 0:
+        ap.error(f"--threads {args.threads}: give 1 or more threads, or 0 for torch's default")
     if args.threads:
         torch.set_num_threads(args.threads)
 

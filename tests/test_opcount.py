@@ -297,11 +297,12 @@ def test_an_inference_count_is_one_forward_pass_in_eval_mode():
     the same FLOPs as torch's counter on the forward, each weight cast once; what published inference figures
     are set beside."""
     from torch.utils.flop_counter import FlopCounterMode
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                          nn.Linear(8 * 6 * 6, 10))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.5),
+                          nn.Flatten(), nn.Linear(8 * 6 * 6, 10))
     x, y = torch.empty(4, 3, 8, 8), torch.zeros(4, dtype=torch.long)
     ops = opcount.count(copy.deepcopy(model), x, y, "fp16", None, inference=True)
     assert {op.phase for op in ops} == {"forward"} and not any("backward" in op.name for op in ops)
+    assert not any("dropout" in op.name or "bernoulli" in op.name for op in ops)  # eval mode: dropout is identity
     bn = next(op for op in ops if op.name == "native_batch_norm")
     activation = 4 * 8 * 6 * 6 * 2  # fp16: read once and written once, beside a few vectors of 8 (its statistics)
     assert 2 * activation <= bn.bytes <= 2 * activation + 6 * 8 * 4  # eval mode: no batch statistics to take
@@ -309,4 +310,5 @@ def test_an_inference_count_is_one_forward_pass_in_eval_mode():
         copy.deepcopy(model).eval()(x)
     assert sum(op.flops for op in ops) == counter.get_total_flops()
     training = opcount.count(copy.deepcopy(model), x, y, "fp16", lambda p: torch.optim.SGD(p, lr=0.1))
+    assert any("bernoulli" in op.name for op in training)  # the same model in training mode drops
     assert sum(op.flops for op in training) > 2 * sum(op.flops for op in ops)  # a backward (no input gradient)

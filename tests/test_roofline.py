@@ -67,9 +67,13 @@ def test_a_gpu_name_finds_its_own_row_and_no_namesakes():
                                     "RTX 6000 Ada", "RTX 4090 Laptop"]  # each part its own row, never a namesake's
     with pytest.raises(ConfigError, match=r"left out for want of a source: RTX PRO 6000 Blackwell \(Workstation"):
         roofline.find_gpu("RTX PRO 6000 Blackwell")
+    assert [datasheet_row(n)["bandwidth_gbps"] for n in ("NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e",
+                                                           "NVIDIA B200", "Tesla V100S-PCIE-32GB")] == [
+        4000, 4900, 7700, 1134]  # each part's own memory, not its namesake's
     for part in ("NVIDIA GeForce RTX 5090 Laptop GPU", "NVIDIA GeForce RTX 4080 Laptop GPU",
-                 "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 5090 D", "NVIDIA GB200",
-                 "NVIDIA GeForce RTX 3090 Ti", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition"):
+                 "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 5090 D", "NVIDIA GB200", "NVIDIA GH200 624GB",
+                 "NVIDIA GeForce RTX 3090 Ti", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "NVIDIA L40",
+                 "NVIDIA A10G", "NVIDIA RTX A5000", "Quadro RTX 6000", "NVIDIA RTX 5000 Ada Generation"):
         assert datasheet_row(part) is None, part
         with pytest.raises(ConfigError, match="is not in the datasheet table.*the table has: B200, GH200 144GB HBM3e"):
             roofline.find_gpu(part)
@@ -91,12 +95,16 @@ def test_the_roofline_of_an_inference_pass_counts_the_forward_alone(tmp_path, mo
     from ampbench import cli
     (tmp_path / "params.yaml").write_text("device: cpu\ndata: {source: synthetic}\nmodel: {arch: small_cnn}\n")
     args = ["ampbench", "roofline", "--params", str(tmp_path / "params.yaml"), "--gpu", "RTX 5090", "--batch", "64"]
+    outs = []
     for extra in ([], ["--inference"]):
         monkeypatch.setattr(sys, "argv", args + extra)
         cli.main()
-    train, infer = capsys.readouterr().out.split("What a roofline is")[:2]
+        outs.append(capsys.readouterr().out)
+    train, infer = outs
     assert "one training step" in train and "optimizer and loss included" in train
-    assert "one inference pass (forward only, eval mode, no gradients)" in infer and "optimizer" not in infer
+    head = infer.split("What a roofline is")[0]
+    assert "one inference pass (forward only, eval mode, no gradients)" in head and "optimizer" not in head
+    assert "GB moved per pass" in infer and "one inference pass (forward only) counted op by op" in infer
     gflop = [float(re.search(r"([\d.,]+) GFLOP", t).group(1)) for t in (train, infer)]
     assert 2 < gflop[0] / gflop[1] < 3.1  # forward and backward against the forward alone
 

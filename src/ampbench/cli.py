@@ -167,15 +167,13 @@ def roofline_cmd(args) -> None:
     found = roofline.for_config(cfg, optim.for_count, args.batch or None, inference=args.inference)
     s = found["summary"]
     closest = roofline.closest_default(s["conv_flop_share"])
-    what = ("one inference pass (forward only, eval mode, no gradients)" if args.inference
-            else "one training step")
+    what, unit = (("one inference pass (forward only, eval mode, no gradients)", "pass") if args.inference
+                  else ("one training step", "step"))
     print(f"Roofline of {what}: {found['model']}, batch {found['batch']}, {found['input_size']}x"
           f"{found['input_size']} inputs{'' if args.inference else ', optimizer and loss included'} (counted on "
-          f"meta tensors in "
-          f"{found['count_s']:.1f} s)\n{s['flops'] / 1e9:,.1f} GFLOP and {s['bytes'] / 1e9:,.2f} GB moved per step "
-          f"in fp32; {s['conv_flop_share']:.0%} of the FLOPs in convolutions, so plain PyTorch (TF32 convolutions, "
-          f"IEEE matmuls) runs this model closest to {closest}.\n".replace("per step", "per pass" if args.inference
-                                                                            else "per step"))
+          f"meta tensors in {found['count_s']:.1f} s)\n{s['flops'] / 1e9:,.1f} GFLOP and {s['bytes'] / 1e9:,.2f} GB "
+          f"moved per {unit} in fp32; {s['conv_flop_share']:.0%} of the FLOPs in convolutions, so plain PyTorch (TF32 "
+          f"convolutions, IEEE matmuls) runs this model closest to {closest}.\n")
     precisions = list(found["ops"])
     if rows:
         row = rows[0]
@@ -202,7 +200,7 @@ def roofline_cmd(args) -> None:
                                     for (p, why), gpus in notes.items()) + "." if notes else "")
         print("\nDense rates with FP32 accumulation, from: " + "; ".join(
             f"{row['name']}: {row['source']}" for _, row in DATASHEET) + ".")
-    print("\n" + roofline_note(args.launch_us))
+    print("\n" + roofline_note(args.launch_us, args.inference))
 
 
 def check_model_cmd(args) -> None:

@@ -49,14 +49,15 @@ _GH200 = ("NVIDIA GH200 Grace Hopper Superchip datasheet, dense rates (67 TF FP3
 # a part matches only a row of its own). A figure the cited page does not print is marked "derived" in the source.
 DATASHEET = [
     (r"\bB200\b", _row("B200", "NVIDIA HGX B200 datasheet, per GPU (600 TF FP32, 18 PF TF32*, 36 PF FP16*, "
-                        "72 PF FP8* for 8; MXFP8 at the FP8 rate); memory 7.7 TB/s per GPU (180 GB HBM3e; 8 TB/s is "
-                        "GB200's), as NVIDIA's GB200 NVL72 / HGX B200 table is reproduced at https://zdszero.github.io/"
-                        "Computer/Artificial_Intelligence/Hardware.html", 7700, fp32=75.0, tf32=1125.0, fp16=2250.0,
+                        "72 PF FP8* for 8; MXFP8 at the FP8 rate); memory 7.7 TB/s per GPU (180 GB HBM3e), the HGX "
+                        "B200 column of NVIDIA's GB200 NVL72 / HGX B200 table, as reproduced at https://zdszero.github."
+                        "io/Computer/Artificial_Intelligence/Hardware.html (8 TB/s is GB200's; DGX B200 pages give 64 "
+                        "TB/s for 8)", 7700, fp32=75.0, tf32=1125.0, fp16=2250.0,
                         fp8=4500.0, mxfp8=4500.0)),
     # Grace Hopper's GPU: the H100's tensor rates, its own memory (96GB HBM3, sold as "GH200 480GB"; 144GB HBM3e)
     (r"\bGH200\b.*(144G|HBM3e)", _row("GH200 144GB HBM3e", _GH200, 4900, fp32=67.0, tf32=494.0, fp16=990.0,
                                           fp8=1979.0)),
-    (r"\bGH200\b", _row("GH200 96GB HBM3", _GH200, 4000, fp32=67.0, tf32=494.0, fp16=990.0, fp8=1979.0)),
+    (r"\bGH200\b.*(480GB|96G)", _row("GH200 96GB HBM3", _GH200, 4000, fp32=67.0, tf32=494.0, fp16=990.0, fp8=1979.0)),
     (r"\bH200 NVL\b", _row("H200 NVL", _H200, 4800, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
     (r"\bH200\b", _row("H200", _H200 + " (SXM)", 4800, fp32=67.0, tf32=494.7, fp16=989.4, fp8=1978.9)),
     (r"\bH100 NVL\b", _row("H100 NVL", _HOPPER, 3900, fp32=60.0, tf32=417.5, fp16=835.5, fp8=1670.5)),
@@ -85,18 +86,21 @@ DATASHEET = [
     (r"RTX 6000 Ada", _row("RTX 6000 Ada", "NVIDIA RTX 6000 Ada datasheet (91.1 TF FP32, 960 GB/s, FP8 1,457 TF with "
                             "sparsity: 728.5 dense), as transcribed at https://github.com/atineoSE/coding-model-seeks-"
                             "gpu/blob/main/pipeline/pipeline/sources/rtx6000ada_specs.md; FP16/BF16 and TF32 derived, "
-                            "not quoted: a half and a quarter of FP8, as on the L40S datasheet (the same AD102)", 960,
+                            "not quoted: a half and a quarter of FP8, about as on the L40S datasheet (the same "
+                            "AD102: 362.05 FP16, 733 FP8)", 960,
                             fp32=91.1, tf32=182.1, fp16=364.25, fp8=728.5)),
     (r"RTX A6000$", _row("RTX A6000", "38.7 TF FP32 and 768 GB/s (https://servethehome.com/nvidia-rtx-a6000-48gb-gpu-"
                          "drops-quadro-designation); 154.8 TF FP16/BF16 with FP32 accumulation, dense (https://llmperf."
                          "net/categories/gpu/Nvidia-A6000-GPUs, from the GA102 whitepaper); TF32 derived, not quoted: "
                          "half that, as on the A40's datasheet (the same GA102: 74.8 and 149.7)", 768, fp32=38.7,
                          tf32=77.4, fp16=154.8, fp8=None)),
-    (r"RTX 4090 Laptop", _row("RTX 4090 Laptop", "https://hmc-tech.com/gpu/nvidia-geforce-rtx-4090-laptop-140w: the "
-                              "140 W part at its 1,950 MHz boost (37.94 TF FP32 and TF32, 75.88 TF FP16 and 151.76 TF "
-                              "FP8 with FP32 accumulation, 576 GB/s); laptops run it at 80 to 150 W (boost 1,455 to "
-                              "2,040 MHz, https://nvidia.com/de-de/geforce/gaming-laptops/compare), so one set lower "
-                              "runs below this row", 576, fp32=37.94, tf32=37.94, fp16=75.88, fp8=151.76)),
+    (r"RTX 4090 Laptop", _row("RTX 4090 Laptop", "the 150 W part at its 2,040 MHz boost, the most NVIDIA's laptops "
+                              "run it at (80 to 150 W, boost 1,455 to 2,040 MHz: https://nvidia.com/de-de/geforce/"
+                              "gaming-laptops/compare): 39.69 TF FP32 (https://hmc-tech.com/gpu/nvidia-geforce-rtx-"
+                              "4090-laptop-150w-vs-nvidia-geforce-rtx-5090-laptop-140w); TF32, FP16 and FP8 with FP32 "
+                              "accumulation derived, not quoted: 1x, 2x and 4x FP32, as that site gives them at 140 W "
+                              "(37.94, 75.88, 151.76 TF); 576 GB/s. A laptop set lower runs further below this row",
+                              576, fp32=39.69, tf32=39.69, fp16=79.38, fp8=158.76)),
     (r"RTX 5090$", _row("RTX 5090", _BLACKWELL + "; its fp8 peak (419 TFLOP/s with FP32 accumulation) is the "
                         "whitepaper's alone: no measurement here backs it", 1792, fp32=104.8, tf32=104.8, fp16=209.5,
                         fp8=419.0)),
@@ -108,11 +112,13 @@ _NOT_THE_PART = re.compile(r"Laptop|Mobile|Max-Q|\bGH200\b|\bGH100\b|\bGB200\b")
 # chip cannot reach); docs/roofline.md lists them, and --gpu names them when refused
 MISSING = ("RTX PRO 6000 Blackwell (Workstation, Server and Max-Q editions: FP32, sparse FP4 and bandwidth only)",
            "RTX 5090 Laptop (the one page held gives an FP16 rate its 82 SMs cannot reach at Blackwell's rate per SM)",
-           "RTX 4080 Laptop and RTX 3080 Laptop (no tensor rate)", "GB200 (its GPU's own row)")
+           "RTX 4080 Laptop and RTX 3080 Laptop (no tensor rate)",
+           "GB200 (no row of its GPU's own; its power and clocks are not a B200's)")
 
 
 def datasheet_row(gpu_name: str | None) -> dict | None:
-    """The datasheet row of ``gpu_name`` (torch's device name), or None: unknown, or a MIG slice."""
+    """The datasheet row of ``gpu_name`` (torch's device name), or None: unknown, or a MIG slice. A laptop or Grace
+    part (``_NOT_THE_PART``) matches only a row that names such a part, never its desktop or datacenter namesake."""
     if not gpu_name or "MIG" in gpu_name:
         return None
     name = gpu_name.strip()

@@ -82,9 +82,12 @@ def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
     return lines + roofline_table(gpu["table"], by_precision) + ["", roofline_note(found.get("launch_us")), ""]
 
 
-def roofline_note(launch_us: float | None) -> str:
-    """What a roofline is, with the launch floor it was counted with (roofline.json's ``launch_us``)."""
-    return ROOFLINE_NOTE.replace("{launch}", f"{launch_us:g} us" if launch_us else "a few microseconds")
+def roofline_note(launch_us: float | None, inference: bool = False) -> str:
+    """What a roofline is, with the launch floor it was counted with (roofline.json's ``launch_us``); ``inference``:
+    of one forward pass (``ampbench roofline --inference``)."""
+    note = ROOFLINE_NOTE.replace("{launch}", f"{launch_us:g} us" if launch_us else "a few microseconds")
+    return note.replace("one training step counted", "one inference pass (forward only) counted") if inference \
+        else note
 
 
 ROOFLINE_NOTE = (
