@@ -102,10 +102,12 @@ def torchrun(nproc: int, argv: list[str]) -> None:
     """Run ``argv`` (a script and its arguments) in ``nproc`` processes under torchrun's elastic agent, in this
     process (Ctrl-C and kills reach the agent as they reach torchrun). A rank that stops with ampbench's message
     (``errors.run_cli``) ends the stage with that message said again, last, and that rank's exit code, instead of
-    torchrun's ChildFailedError traceback; a rank that dies without one is named with its exit code."""
+    torchrun's ChildFailedError traceback; a rank that dies without one is named with its exit code; a signal to the
+    agent (Ctrl-C) ends it with one line and 128 + the signal's number, not the agent's SignalException traceback."""
     import tempfile
     from pathlib import Path
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -129,6 +131,12 @@ def torchrun(nproc: int, argv: list[str]) -> None:
             print(f"error: training process {rank} ended with exit code {failure.exitcode} and no message of its own",
                   file=sys.stderr)
             sys.exit(failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1)
+        except SignalException as err:  # Ctrl-C or a kill to the agent: it passed the signal on and closed the ranks
+            import signal
+            name = signal.Signals(err.sigval).name
+            print(f"stopped by {name}{' (Ctrl-C)' if name == 'SIGINT' else ''}: the next `dvc repro` resumes from the "
+                  f"last checkpoint saved", file=sys.stderr)
+            sys.exit(128 + int(err.sigval))
 
 
 def exit_with_launcher(poll_s: float = 0.5) -> None:
