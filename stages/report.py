@@ -13,6 +13,11 @@ from ampbench import config, report
 from ampbench.errors import run_cli
 
 
+def _optional_json(path: str) -> dict | None:
+    """An optional input file's content: None when not given or not there."""
+    return json.loads(Path(path).read_text()) if path and Path(path).is_file() else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", default="params.yaml")
@@ -36,12 +41,8 @@ def main() -> None:
                if config.flatten(config.to_dict(config.Config())).get(k, object()) != v}
     summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants), changed,
                            curves_csv=Path(args.curves), target_acc=cfg.train.target_acc,
-                           sweep=json.loads(Path(args.sweep).read_text()) if args.sweep and Path(args.sweep).is_file()
-                           else None,
-                           roofline=json.loads(Path(args.roofline).read_text())
-                           if args.roofline and Path(args.roofline).is_file() else None,
-                           paired=json.loads(Path(args.paired).read_text())
-                           if args.paired and Path(args.paired).is_file() else None)
+                           sweep=_optional_json(args.sweep), roofline=_optional_json(args.roofline),
+                           paired=_optional_json(args.paired))
     built = int(time.time() * 1000)
     print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
 

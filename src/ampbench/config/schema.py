@@ -115,7 +115,7 @@ class PairedConfig:
     enabled: bool = True          # time the variants in turns in one process (A B C, C A B, ...): a drift between
     # the train stages cannot fake a speedup there; the verdict claims one from it when train.repeats is 1
     rounds: int = _opt(6, lo=1)   # turns per variant; 6 or more for a claim (every round must agree: a sign test)
-    steps: int = _opt(5, lo=1)    # timed optimizer steps per turn, at train.batch_size, after one untimed step
+    steps: int = _opt(5, lo=1)    # timed optimizer steps per turn, at train.batch_size, after two untimed ones
 
 
 @dataclass(frozen=True)

@@ -247,12 +247,12 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         counter.phase = "backward"
         loss.backward()
         counter.phase = "optimizer"
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
         if rung.grad_scaler:  # GradScaler's unscale_: read and write every gradient once
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
             counter.ops.append(Op("unscale (GradScaler)", "float32", 0.0, float(2 * sum(_bytes(g) for g in grads)),
                                   "optimizer"))
         if clip or grad_norm:  # the gradients' norm (and, clipping, their scaling), as clip_grad_norm_ runs on CUDA
-            grads = [p.grad for p in model.parameters() if p.grad is not None]  # (its foreach path; meta: by hand)
+            # (its foreach path; meta: by hand)
             total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
             if clip:
                 torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))
@@ -318,4 +318,4 @@ def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[
                     fused=runplan.optimizer_impl(cfg, "", p, "cuda") == "fused", clip=cfg.train.clip_grad_norm,
                     grad_norm=cfg.train.log_grad_norm, inference=inference) for p in precisions}
     return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
-            "batch": batch, "input_size": size, "inference": inference, "count_s": time.perf_counter() - t0}
+            "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}

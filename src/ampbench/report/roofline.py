@@ -94,15 +94,14 @@ ROOFLINE_NOTE = (
     "What a roofline is: one training step counted op by op (FLOPs and the bytes each op reads and writes; eager "
     "kernels, no fusion, fp8's scaling as torch.compile fuses it), each op at max(FLOPs / the datasheet peak of the "
     "dtype it runs in, bytes / memory bandwidth), and at least the host's time to launch its kernels one by one "
-    "({launch} each: a step whose launches take longer than its kernels is launch-bound, and its precision "
-    "barely matters; torch.compile and CUDA graphs launch fewer). Its ratio is what switching precision would buy if "
-    "both precisions ran every kernel equally close to the datasheet's peaks: a ratio of two least times, which "
-    "bounds neither "
-    "measured time's ratio. Real kernels run below peak, and unevenly: a measured speedup above the roofline ratio "
-    "means the slower precision ran further below its peak (a fact about the baseline, not a gain beyond the "
-    "hardware); one below it, that the faster precision did. Every byte is charged to DRAM: an L2 cache (96 MB on "
-    "an RTX 5090, 50 MB on an H100) holds a layer's activations between its ops when they fit, and fp16's fit where "
-    "fp32's, twice the size, may not, so on such layers the count understates what fp16 gains.")
+    "({launch} each: a step whose launches take longer than its kernels is launch-bound, and its precision barely "
+    "matters; torch.compile and CUDA graphs launch fewer). Its ratio is what switching precision would buy if both "
+    "precisions ran every kernel equally close to the datasheet's peaks: a ratio of two least times, which bounds "
+    "neither measured time nor their ratio. Real kernels run below peak, and unevenly: a measured speedup above the "
+    "roofline ratio means the slower precision ran further below its peak (a fact about the baseline, not a gain "
+    "beyond the hardware); one below it, that the faster precision did. Every byte is charged to DRAM: an L2 cache "
+    "(96 MB on an RTX 5090, 50 MB on an H100) holds a layer's activations between its ops when they fit, and fp16's "
+    "fit where fp32's, twice the size, may not, so on such layers the count understates what fp16 gains.")
 
 
 def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]] | None = None) -> list[str]:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ampbench.errors import first_line
+
 FP16_MAX = 65504.0          # larger magnitudes overflow to inf
 FP16_MIN_NORMAL = 2.0 ** -14  # 6.1e-5: below it fp16 is subnormal and loses precision
 FP16_MIN_SUBNORMAL = 2.0 ** -24  # 6e-8: about half of it and below, values flush to zero
@@ -152,7 +154,7 @@ def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale
         first["loss"] = float(loss.detach().float())
         (loss * scale).backward()
     except Exception as err:
-        first["not_made"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        first["not_made"] = first_line(err)
     finally:
         for h in handles:
             h.remove()
