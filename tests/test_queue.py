@@ -68,9 +68,11 @@ def test_queued_experiments_log_to_the_repository_store_and_skip_unchanged_stage
 def test_several_queue_workers_are_refused_before_training(tmp_path):
     celery = tmp_path / ".dvc" / "tmp" / "exps" / "celery"
     celery.mkdir(parents=True)
-    workers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "queue-worker"])
-               for _ in range(2)]
+    workers = [subprocess.Popen([sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)",
+                                 "queue-worker"], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
+        for w in workers:  # until exec has set its command line, /proc shows it empty: wait for each to be up
+            assert w.stdout.readline().strip() == "up"
         for i, w in enumerate(workers, 1):
             (celery / f"dvc-exp-worker-{i}.json").write_text(json.dumps({"pid": w.pid}))
         (celery / "dvc-exp-worker-3.json").write_text(json.dumps({"pid": 999_999_999}))  # exited: not counted
@@ -91,3 +93,4 @@ def test_several_queue_workers_are_refused_before_training(tmp_path):
     finally:
         for w in workers:
             w.kill()
+            w.communicate()
