@@ -19,10 +19,22 @@ from ampbench.errors import EnvironmentMismatch
 from ampbench.sandbox import REPO_ROOT
 
 
-def _dvc(repo, *args, timeout=600):
+def _dvc(repo, *args, timeout=600, **output):
     environ = {k: v for k, v in sandbox.env_with_venv().items() if k != "MLFLOW_TRACKING_URI"}  # the repo's store
-    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=environ, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=environ, text=True, timeout=timeout,
+                          **(output or {"capture_output": True}))
+
+
+def _ran(repo, n: int) -> bool:
+    """Whether ``n`` queued experiments have run: each executor's info file (.dvc/tmp/exps/run/<rev>/<rev>.run)
+    says SUCCESS (3) or later once its `dvc repro` has ended (dvc.repo.experiments.executor.base.TaskStatus)."""
+    statuses = []
+    for info in (repo / ".dvc" / "tmp" / "exps" / "run").glob("*/*.run"):
+        try:
+            statuses.append(json.loads(info.read_text()).get("status", 0))
+        except (OSError, ValueError):  # being written
+            return False
+    return len(statuses) >= n and all(s >= 3 for s in statuses)
 
 
 @pytest.mark.slow
@@ -40,15 +52,20 @@ def test_queued_experiments_log_to_the_repository_store_and_skip_unchanged_stage
     for scale in (65536, 1024):
         queued = _dvc(repo, "exp", "run", "--queue", "-S", f"amp.init_scale={scale}", "-n", f"scale{scale}")
         assert queued.returncode == 0, queued.stderr[-2000:]
-    started = _dvc(repo, "queue", "start")
-    assert started.returncode == 0, started.stderr[-2000:]
+    # its output to a file, not a pipe: the worker it starts keeps a pipe open until it exits, idle seconds later
+    with open(tmp_path / "queue-start.log", "w") as log:
+        started = _dvc(repo, "queue", "start", timeout=120, stdout=log, stderr=subprocess.STDOUT)
+    assert started.returncode == 0, (tmp_path / "queue-start.log").read_text()[-2000:]
     deadline = time.time() + 600
-    while True:
+    while not _ran(repo, 2):  # read from DVC's files: a `dvc queue status` is a second of CPU taken from training
+        assert time.time() < deadline, _dvc(repo, "queue", "status").stdout
+        time.sleep(1)
+    while True:  # then DVC's own word, once it has collected both
         status = _dvc(repo, "queue", "status").stdout
         if "Running" not in status and "Queued" not in status:
             break
         assert time.time() < deadline, status
-        time.sleep(10)  # each `dvc queue status` is a Python process of its own: a second of CPU taken from training
+        time.sleep(2)
     assert status.count("Success") == 2, status
     for name in ("scale65536", "scale1024"):
         log = _dvc(repo, "queue", "logs", name).stdout
