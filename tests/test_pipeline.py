@@ -13,7 +13,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from ampbench import results, sandbox
+from ampbench import results, sandbox, tracking
 
 pytestmark = pytest.mark.slow
 VARIANTS = ["fp32", "tf32", "amp", "amp_accum"]
@@ -136,7 +136,7 @@ def test_mlflow_server_serves_the_runs(pipeline):
     port = _free_port()
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
                                f"sqlite:///{repo / 'mlflow.db'}", "--host", "127.0.0.1", "--port", str(port),
-                               "--workers", "1"], cwd=repo, env=sandbox.env_with_venv(),
+                               "--workers", "1"], cwd=repo, env={**sandbox.env_with_venv(), tracking.JOBS_ENV: "false"},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     try:

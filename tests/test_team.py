@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from ampbench import sandbox
+from ampbench import sandbox, tracking
 from ampbench.sandbox import REPO_ROOT
 
 PG_BINS = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name))
@@ -95,7 +95,8 @@ def server(postgres, tmp_path_factory):
     artifacts = tmp_path_factory.mktemp("artifacts")
     proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", postgres.uri,
                              "--serve-artifacts", "--artifacts-destination", str(artifacts), "--host", "127.0.0.1",
-                             "--port", str(port), "--workers", "1"], env=sandbox.env_with_venv(),
+                             "--port", str(port), "--workers", "1"],
+                            env={**sandbox.env_with_venv(), tracking.JOBS_ENV: "false"},  # as docs/team.md runs it
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -109,6 +109,38 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())
 
 
+def test_a_logged_model_pins_the_running_torch_without_scanning_every_installed_package(tmp_path, tmp_mlflow,
+                                                                                        monkeypatch):
+    """MLflow checks a model's pins by mapping every installed distribution's modules (1.3 s a train stage here):
+    ours are read from the modules running, so the model is logged without that scan, its pins as they ran, and
+    MLflow's check is back in place afterwards."""
+    import mlflow
+    import torch
+    import torchvision
+    from mlflow.utils import environment, requirements_utils
+
+    from ampbench import models
+    scans = []
+    monkeypatch.setattr(requirements_utils, "_MODULES_TO_PACKAGES", None)  # as in a fresh stage process
+    monkeypatch.setattr(requirements_utils.importlib_metadata, "packages_distributions",
+                        lambda: scans.append(1) or {})
+    check = environment.warn_dependency_requirement_mismatches
+    weights = tmp_path / "model.pt"
+    torch.save({"state_dict": models.build(config.ModelConfig(arch="small_cnn"), num_classes=10, image_size=32,
+                                           device="cpu").state_dict(), "model": {"arch": "small_cnn"},
+                "num_classes": 10, "image_size": 32}, weights)
+    rid, _ = tracking.log_run(config.MlflowConfig(), tmp_path, run_name="train@fp32", key="k", params={},
+                              metrics={"final_acc": 0.5}, tags={}, model=weights)
+    client = MlflowClient(tmp_mlflow)
+    (out,) = client.get_run(rid).outputs.model_outputs
+    folder = mlflow.artifacts.download_artifacts(client.get_logged_model(out.model_id).artifact_location,
+                                                 dst_path=str(tmp_path / "logged"))
+    pins = (Path(folder) / "requirements.txt").read_text()
+    assert f"torch=={torch.__version__.split('+')[0]}" in pins
+    assert f"torchvision=={torchvision.__version__.split('+')[0]}" in pins
+    assert scans == [] and environment.warn_dependency_requirement_mismatches is check
+
+
 # --- what MLflow 3's UI opens on ----------------------------------------------------------------
 
 def test_experiment_is_marked_as_model_training(tmp_mlflow, tmp_path):
@@ -177,6 +209,9 @@ def test_mlflow_ui_prints_its_page_once_the_server_answers_and_sigterm_stops_eve
             assert r.status == 200
         family = psutil.Process(ui.pid).children(recursive=True)
         assert family  # the mlflow server and its workers
+        # without MLflow's GenAI job runners (7 huey consumers): every process of the server started without them
+        assert {p.environ().get(tracking.JOBS_ENV) for p in family} == {"false"}
+        assert not [p for p in family if "huey" in " ".join(p.cmdline())]
         ui.send_signal(signal.SIGTERM)
         assert ui.wait(timeout=60) == 0
         _, alive = psutil.wait_procs(family, timeout=15)
@@ -184,6 +219,14 @@ def test_mlflow_ui_prints_its_page_once_the_server_answers_and_sigterm_stops_eve
     finally:
         if ui.poll() is None:
             ui.kill()
+
+
+def test_a_server_starts_without_mlflow_s_job_runners_unless_the_user_asked_for_them(monkeypatch):
+    from ampbench import tracking
+    monkeypatch.delenv(tracking.JOBS_ENV, raising=False)
+    assert tracking.server_env()[tracking.JOBS_ENV] == "false"
+    monkeypatch.setenv(tracking.JOBS_ENV, "true")
+    assert tracking.server_env()[tracking.JOBS_ENV] == "true"
 
 
 def test_tracking_settings_are_not_in_the_plans_and_passwords_are_never_printed(tmp_path, capsys):

@@ -99,7 +99,8 @@ def mlflow_ui(args) -> None:
     base = f"http://{args.host}:{args.port}"
     pipeline = tracking.latest_pipeline(uri, exp_id) if exp_id else None
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
-                               "--port", str(args.port)], start_new_session=True)  # its own group, all stopped as one
+                               "--port", str(args.port)], env=tracking.server_env(),
+                              start_new_session=True)  # its own group, all stopped as one
     stop = _stopper(server)
     signal.signal(signal.SIGTERM, stop)  # what a process manager sends: the server and its workers go too
     signal.signal(signal.SIGINT, stop)

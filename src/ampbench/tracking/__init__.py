@@ -10,6 +10,7 @@ metrics file), so logging the same results twice adds nothing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -149,6 +150,16 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     return rid, True
 
 
+JOBS_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
+
+
+def server_env() -> dict[str, str]:
+    """The environment an MLflow server for ampbench's runs starts in: without MLflow's job runners (its GenAI
+    scorers, evaluations and prompt optimisation, which training runs never call: 7 more processes that take
+    about 18 s of CPU as the UI starts), unless ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION`` is set already."""
+    return {**os.environ, JOBS_ENV: os.environ.get(JOBS_ENV, "false")}
+
+
 MODEL_METRICS = ("final_acc", "best_acc", "final_loss", "imgs_per_s", "peak_mem_bytes")  # also the LoggedModel's
 
 
@@ -185,14 +196,33 @@ def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: 
     quiet = logging.getLogger("mlflow.pytorch")
     level, quiet.level = quiet.level, logging.ERROR  # its note on pickle: these are the user's own weights and code
     try:
-        mlflow.pytorch.log_model(module, name=variant, model_id=lm.model_id, serialization_format="pickle",
-                                 code_paths=[str(p) for p in code if p.exists()], pip_requirements=requirements)
+        with _pins_taken_as_read():
+            mlflow.pytorch.log_model(module, name=variant, model_id=lm.model_id, serialization_format="pickle",
+                                     code_paths=[str(p) for p in code if p.exists()], pip_requirements=requirements)
     except Exception:
         client.finalize_logged_model(lm.model_id, "FAILED")
         raise
     finally:
         quiet.level = level
     return lm.model_id
+
+
+@contextlib.contextmanager
+def _pins_taken_as_read():
+    """MLflow checks a model's pip requirements against the installed packages, and maps every installed
+    distribution's modules to do it (1.3 s a model on a small venv, more on a large one). Ours are read from the
+    modules running (``torch.__version__``), so that check can only agree: it is skipped while our model is saved.
+    Where MLflow has moved it, nothing is skipped."""
+    from mlflow.utils import environment
+    check = getattr(environment, "warn_dependency_requirement_mismatches", None)
+    if check is None:
+        yield
+        return
+    environment.warn_dependency_requirement_mismatches = lambda requirements: None
+    try:
+        yield
+    finally:
+        environment.warn_dependency_requirement_mismatches = check
 
 
 def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str | None,
