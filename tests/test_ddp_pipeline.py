@@ -29,6 +29,7 @@ def _ddp_params(variants: dict) -> dict:
         "device": "cpu", "data": {"source": "synthetic", "train_size": 1024, "test_size": 64},
         "model": {"arch": "small_cnn"}, "train": {"epochs": 3, "batch_size": 32, "warmup_steps": 2},
         "sweep": {"enabled": False}, "profile": {"steps": 1}, "amp": {"audit_batches": 1},
+        "paired": {"enabled": False},  # it times one-process variants alone (test_steadiness; the pipeline test)
         "distributed": {"nproc_per_node": WORLD}})
     params["variants"] = variants
     return params

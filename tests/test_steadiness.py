@@ -123,6 +123,18 @@ def test_the_paired_check_is_not_fooled_by_a_machine_that_slows_down(tmp_path, m
     assert sum(one_by_one["tf32"]) / sum(one_by_one["fp32"]) < 0.75
 
 
+def test_the_paired_check_times_one_process_variants_of_one_step_s_work_the_strict_baseline_first():
+    """Data-parallel and accumulating variants do other work per step than one process's: they are left out."""
+    cfg = config.from_dict({"device": "cpu", "distributed": {"nproc_per_node": 2}, "variants": {
+        "amp": {"precision": "fp16"}, "fp32": {"precision": "fp32"}, "bf16_1proc": {"precision": "bf16", "ddp": False},
+        "fp32_1proc": {"precision": "fp32", "ddp": False}, "amp_accum": {"precision": "fp16", "accum_steps": 2,
+                                                                        "ddp": False}}})
+    assert paired.variants(cfg) == ["fp32_1proc", "bf16_1proc"]
+    one = config.from_dict({"device": "cpu", "variants": {"amp": {"precision": "fp16"}, "fp32": {"precision": "fp32"},
+                                                          "tf32": {"precision": "tf32"}}})
+    assert paired.variants(one) == ["fp32", "amp", "tf32"]
+
+
 def test_a_paired_check_that_fails_is_said_and_the_stage_still_writes_its_file(tmp_path, monkeypatch):
     """The paired check is an analysis: made to fail, the stage warns in one line, writes paired.json with why, and
     the report says it could not be made."""
