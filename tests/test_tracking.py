@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -217,8 +218,11 @@ def test_mlflow_ui_prints_its_page_once_the_server_answers_and_sigterm_stops_eve
         _, alive = psutil.wait_procs(family, timeout=15)
         assert not alive, [p.cmdline() for p in alive]
     finally:
-        if ui.poll() is None:
-            ui.kill()
+        if ui.poll() is None:  # a failed check: the server (its own session) goes too, not left behind
+            for p in [*psutil.Process(ui.pid).children(recursive=True), psutil.Process(ui.pid)]:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            ui.wait()
 
 
 def test_a_server_starts_without_mlflow_s_job_runners_unless_the_user_asked_for_them(monkeypatch):
