@@ -155,8 +155,9 @@ JOBS_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 def server_env() -> dict[str, str]:
     """The environment an MLflow server for ampbench's runs starts in: without MLflow's job runners (its GenAI
-    scorers, evaluations and prompt optimisation, which training runs never call: 7 more processes that take
-    about 18 s of CPU as the UI starts), unless ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION`` is set already."""
+    scorers, evaluations, issue detection, prompt optimisation and periodic tasks, which training runs never call:
+    8 more processes, about 18 s more CPU as ``ampbench mlflow-ui`` starts on 2 cores), unless
+    ``MLFLOW_SERVER_ENABLE_JOB_EXECUTION`` is set already (``true`` keeps them)."""
     return {**os.environ, JOBS_ENV: os.environ.get(JOBS_ENV, "false")}
 
 
@@ -210,9 +211,9 @@ def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: 
 @contextlib.contextmanager
 def _pins_taken_as_read():
     """MLflow checks a model's pip requirements against the installed packages, and maps every installed
-    distribution's modules to do it (1.3 s a model on a small venv, more on a large one). Ours are read from the
-    modules running (``torch.__version__``), so that check can only agree: it is skipped while our model is saved.
-    Where MLflow has moved it, nothing is skipped."""
+    distribution's modules to do it, once in each process (0.6 s of a train stage in this project's venv, more in
+    a larger environment). Ours are read from the modules running (``torch.__version__``), so that check can only
+    agree: it is skipped while our model is saved. Where MLflow has moved it, nothing is skipped."""
     from mlflow.utils import environment
     check = getattr(environment, "warn_dependency_requirement_mismatches", None)
     if check is None:
