@@ -61,18 +61,22 @@ def test_a_gpu_name_finds_its_own_row_and_no_namesakes():
         "NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 4090", "NVIDIA H200", "NVIDIA H100 80GB HBM3",
         "NVIDIA H100 PCIe", "Tesla V100-SXM2-16GB", "Tesla V100-PCIE-16GB", "NVIDIA GeForce RTX 3090",
         "Tesla V100S-PCIE-32GB", "NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e", "NVIDIA RTX A6000",
-        "NVIDIA RTX 6000 Ada Generation", "NVIDIA GeForce RTX 4090 Laptop GPU")}
+        "NVIDIA RTX 6000 Ada Generation", "NVIDIA GeForce RTX 4090 Laptop GPU",
+        "NVIDIA RTX PRO 6000 Blackwell Workstation Edition")}
     assert list(found.values()) == ["RTX 5090", "RTX 4090", "H200", "H100 SXM", "H100 PCIe", "V100", "V100 PCIe",
                                     "RTX 3090", "V100S PCIe", "GH200 96GB HBM3", "GH200 144GB HBM3e", "RTX A6000",
-                                    "RTX 6000 Ada", "RTX 4090 Laptop"]  # each part its own row, never a namesake's
-    with pytest.raises(ConfigError, match=r"left out for want of a source: RTX PRO 6000 Blackwell \(Workstation"):
-        roofline.find_gpu("RTX PRO 6000 Blackwell")
+                                    "RTX 6000 Ada", "RTX 4090 Laptop", "RTX PRO 6000 Blackwell"]  # never a namesake's
+    pro = datasheet_row("NVIDIA RTX PRO 6000 Blackwell Workstation Edition")
+    assert (pro["fp16"], pro["bandwidth_gbps"]) == (503.8, 1792)  # a workstation part: full-rate FP32 accumulation
+    with pytest.raises(ConfigError, match=r"left out for want of a source: RTX PRO 6000 Blackwell Max-Q and Server"):
+        roofline.find_gpu("RTX PRO 6000 Blackwell Server Edition")
     assert [datasheet_row(n)["bandwidth_gbps"] for n in ("NVIDIA GH200 480GB", "NVIDIA GH200 144G HBM3e",
                                                            "NVIDIA B200", "Tesla V100S-PCIE-32GB")] == [
         4000, 4900, 7700, 1134]  # each part's own memory, not its namesake's
     for part in ("NVIDIA GeForce RTX 5090 Laptop GPU", "NVIDIA GeForce RTX 4080 Laptop GPU",
                  "NVIDIA GeForce RTX 4090 D", "NVIDIA GeForce RTX 5090 D", "NVIDIA GB200", "NVIDIA GH200 624GB",
-                 "NVIDIA GeForce RTX 3090 Ti", "NVIDIA RTX PRO 6000 Blackwell Workstation Edition", "NVIDIA L40",
+                 "NVIDIA GeForce RTX 3090 Ti", "NVIDIA RTX PRO 6000 Blackwell Max-Q Workstation Edition",
+                 "NVIDIA RTX PRO 6000 Blackwell Server Edition", "NVIDIA L40",
                  "NVIDIA A10G", "NVIDIA RTX A5000", "Quadro RTX 6000", "NVIDIA RTX 5000 Ada Generation"):
         assert datasheet_row(part) is None, part
         with pytest.raises(ConfigError, match="is not in the datasheet table.*the table has: B200, GH200 144GB HBM3e"):

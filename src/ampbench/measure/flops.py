@@ -101,6 +101,13 @@ DATASHEET = [
                               "accumulation derived, not quoted: 1x, 2x and 4x FP32, as that site gives them at 140 W "
                               "(37.94, 75.88, 151.76 TF); 576 GB/s. A laptop set lower runs further below this row",
                               576, fp32=39.69, tf32=39.69, fp16=79.38, fp8=158.76)),
+    (r"RTX PRO 6000 Blackwell Workstation Edition$", _row(
+        "RTX PRO 6000 Blackwell", "the Workstation Edition (600 W) at its 2,617 MHz boost: 125.95 TF FP32, 251.9 TF "
+        "TF32, 503.8 TF FP16/BF16 and 1.01 PF FP8 (1,007.6, twice FP16) with FP32 accumulation, dense (https://hmc-"
+        "tech.com/gpu/nvidia-rtx-pro-6000-blackwell-vs-amd-radeon-pro-duo-polaris; they match NVIDIA's 125 TF FP32 "
+        "and 4,000 sparse FP4 TOPS: 8x 503.8); 1,792 GB/s (https://gpu.name/posts/nvidia-unveils-rtx-pro-6000-"
+        "blackwell-gpu-with-24-064-cores-and-96gb-memory). Its Max-Q and Server editions run other clocks: no row",
+        1792, fp32=125.95, tf32=251.9, fp16=503.8, fp8=1007.6)),
     (r"RTX 5090$", _row("RTX 5090", _BLACKWELL + "; its fp8 peak (419 TFLOP/s with FP32 accumulation) is the "
                         "whitepaper's alone: no measurement here backs it", 1792, fp32=104.8, tf32=104.8, fp16=209.5,
                         fp8=419.0)),
@@ -110,7 +117,8 @@ DATASHEET = [
 _NOT_THE_PART = re.compile(r"Laptop|Mobile|Max-Q|\bGH200\b|\bGH100\b|\bGB200\b")
 # cards left out for want of a page that sources their row (the pages held give no dense tensor rate, or one the
 # chip cannot reach); docs/roofline.md lists them, and --gpu names them when refused
-MISSING = ("RTX PRO 6000 Blackwell (Workstation, Server and Max-Q editions: FP32, sparse FP4 and bandwidth only)",
+MISSING = ("RTX PRO 6000 Blackwell Max-Q and Server editions (other power and clocks than the Workstation "
+           "Edition's row; no page held gives their tensor rates)",
            "RTX 5090 Laptop (the one page held gives an FP16 rate its 82 SMs cannot reach at Blackwell's rate per SM)",
            "RTX 4080 Laptop and RTX 3080 Laptop (no tensor rate)",
            "GB200 (no row of its GPU's own; its power and clocks are not a B200's)")
