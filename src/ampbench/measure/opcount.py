@@ -252,7 +252,7 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
             counter.ops.append(Op("unscale (GradScaler)", "float32", 0.0, float(2 * sum(_bytes(g) for g in grads)),
                                   "optimizer"))
         if clip or grad_norm:  # the gradients' norm (and, clipping, their scaling), as clip_grad_norm_ runs on CUDA
-            # (its foreach path; meta: by hand)
+            # (its foreach path), written out: its own call does not run on meta tensors
             total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2.0)), 2.0)
             if clip:
                 torch._foreach_mul_(grads, torch.clamp(clip / (total + 1e-6), max=1.0))

@@ -85,13 +85,12 @@ def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
 def roofline_note(launch_us: float | None, inference: bool = False) -> str:
     """What a roofline is, with the launch floor it was counted with (roofline.json's ``launch_us``); ``inference``:
     of one forward pass (``ampbench roofline --inference``)."""
-    note = ROOFLINE_NOTE.replace("{launch}", f"{launch_us:g} us" if launch_us else "a few microseconds")
-    return note.replace("one training step counted", "one inference pass (forward only) counted") if inference \
-        else note
+    return ROOFLINE_NOTE.format(what="one inference pass (forward only)" if inference else "one training step",
+                                launch=f"{launch_us:g} us" if launch_us else "a few microseconds")
 
 
 ROOFLINE_NOTE = (
-    "What a roofline is: one training step counted op by op (FLOPs and the bytes each op reads and writes; eager "
+    "What a roofline is: {what} counted op by op (FLOPs and the bytes each op reads and writes; eager "
     "kernels, no fusion, fp8's scaling as torch.compile fuses it), each op at max(FLOPs / the datasheet peak of the "
     "dtype it runs in, bytes / memory bandwidth), and at least the host's time to launch its kernels one by one "
     "({launch} each: a step whose launches take longer than its kernels is launch-bound, and its precision barely "
