@@ -40,6 +40,30 @@ def test_a_float8_training_step_runs_on_a_cpu_and_updates_the_converted_layers()
     assert set(after) == set(before)  # a checkpoint of the converted model has the plain model's keys
 
 
+def test_fp8_on_a_cpu_runs_scaled_mm_through_its_emulated_kernel_in_the_forward_and_backward(monkeypatch):
+    """On a CPU with AMX-INT8 (a Sapphire Rapids Xeon) torch sends ``_scaled_mm`` to oneDNN's fp8 GEMM, the same
+    numbers some 250 times slower than its emulated kernel: a step of the fp8 pipeline test took 90 s there. Every
+    fp8 GEMM of a step, forward and backward, runs with oneDNN off, and only then: the step leaves it as it was."""
+    from ampbench.train import step
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(torch._C._get_mkldnn_enabled())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    torch.manual_seed(0)
+    policy = PrecisionPolicy("fp8", "cpu", None, "tensorwise", convert_ends=True)
+    model = policy.prepare(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert torch._C._get_mkldnn_enabled()
+    step.train_step(model, opt, policy.scaler(), policy, torch.randn(16, 32), torch.randint(0, 16, (16,)), 16)
+    assert len(seen) == 6 and not any(seen)  # 2 layers x (output, input gradient, weight gradient)
+    assert torch._C._get_mkldnn_enabled()  # the other rungs keep oneDNN
+    with PrecisionPolicy("fp32", "cpu", None).autocast():
+        assert torch._C._get_mkldnn_enabled()
+
+
 def test_the_first_layer_and_the_classifier_head_stay_in_high_precision_unless_a_param_converts_them():
     """torchao advises against converting the output layer; ``model.convert_ends: true`` converts both ends."""
     def mlp():

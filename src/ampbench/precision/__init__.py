@@ -106,6 +106,12 @@ class Rung:
         """What to tell a user about this rung on this model and device, before training."""
         return []
 
+    def kernels(self, device: str):
+        """A context the rung's forward and backward passes run in on ``device`` (which kernels serve its ops);
+        none by default."""
+        import contextlib
+        return contextlib.nullcontext()
+
     def census_lines(self, census: dict) -> list[str]:
         """The report's lines on what it converted (roofline.json's census)."""
         return []

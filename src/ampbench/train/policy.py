@@ -6,7 +6,7 @@ loop has one code path for every precision. What each precision means is its run
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +55,18 @@ class PrecisionPolicy:
         return self.rung.grad_scaler
 
     def autocast(self) -> AbstractContextManager:
-        """The forward-pass context: autocast to the precision's dtype, or a disabled one."""
-        return torch.autocast(self.device_type, dtype=self.dtype if self.uses_autocast else None,
-                              enabled=self.uses_autocast)
+        """The forward-pass context: autocast to the precision's dtype, or a disabled one, with the rung's kernels
+        (``kernels``)."""
+        stack = ExitStack()
+        stack.enter_context(self.kernels())
+        stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype if self.uses_autocast else None,
+                                           enabled=self.uses_autocast))
+        return stack
+
+    def kernels(self) -> AbstractContextManager:
+        """The context a step's forward and backward passes run in: which kernels serve the rung's ops here (fp8
+        on a CPU: torch._scaled_mm's emulated kernel, not oneDNN's)."""
+        return self.rung.kernels(self.device_type)
 
     def scaler(self) -> torch.amp.GradScaler:
         """A GradScaler from params.yaml's ``amp`` section; disabled (a no-op) unless the precision needs one."""

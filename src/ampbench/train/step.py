@@ -62,7 +62,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch
     step that was timed.
     """
     opt.zero_grad(set_to_none=True)
-    loss = accumulate_gradients(model, x, y, micro, policy, scaler, weight)
+    with policy.kernels():  # the backward passes too, which run outside autocast
+        loss = accumulate_gradients(model, x, y, micro, policy, scaler, weight)
     if clip or norms is not None:
         scaler.unscale_(opt)  # a no-op on a disabled scaler
         grads = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
