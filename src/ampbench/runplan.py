@@ -124,16 +124,17 @@ def recipe(cfg: Config, precision: str) -> str | None:
 
 def write_plan(plan: RunPlan, path: Path) -> None:
     """The plan as JSON; ``recipe`` only in a plan of a rung with recipes, the data placement only when it
-    streams and ``model.convert_ends`` only when set, so the other plans' files (train-stage deps) stay as they
-    were before these existed and their stages do not rerun."""
+    streams, and ``model.convert_ends`` and the fine-tuning keys only when set, so the other plans' files
+    (train-stage deps) stay as they were before these existed and their stages do not rerun."""
     path.parent.mkdir(parents=True, exist_ok=True)
     d = to_dict(plan)
     if d["recipe"] is None:
         del d["recipe"]
     if d["placement"] == "device":
         del d["placement"], d["workers"]
-    if not d["model"]["convert_ends"]:
-        del d["model"]["convert_ends"]
+    for key in ("convert_ends", "weights", "freeze", "freeze_bn"):  # fine-tuning's keys only where set
+        if not d["model"][key]:
+            del d["model"][key]
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 
@@ -143,6 +144,7 @@ def read_plan(path: str | Path) -> RunPlan:
         raise ConfigError(f"{path}: no run plan; run the env_check stage first (dvc repro)")
     raw = json.loads(path.read_text())
     raw["train"]["betas"] = tuple(raw["train"].get("betas", TrainConfig.betas))  # JSON gives a list
+    raw["model"]["freeze"] = tuple(raw["model"].get("freeze", ()))
     return RunPlan(
         variant=raw["variant"], precision=raw["precision"], accum_steps=raw["accum_steps"],
         device=raw["device"], seed=raw["seed"], model=ModelConfig(**raw["model"]),

@@ -94,10 +94,12 @@ def for_count(params, train):
     return info(train.optimizer).make(params, train, "foreach")
 
 
-def training_bytes(shapes, train) -> int:
-    """What training holds for parameters of these shapes whatever the batch: fp32 weights and gradients, and the
-    state ``train.optimizer`` keeps (the memory model of the data placement, before anything is built)."""
-    return 8 * sum(_numel(tuple(s)) for s in shapes) + state_bytes(train.optimizer, shapes, train)
+def training_bytes(shapes, train, frozen=()) -> int:
+    """What training holds for trained parameters of these shapes whatever the batch: fp32 weights and gradients,
+    and the state ``train.optimizer`` keeps; for ``frozen`` ones their weights alone (the memory model of the data
+    placement, before anything is built)."""
+    return 8 * sum(_numel(tuple(s)) for s in shapes) + 4 * sum(_numel(tuple(s)) for s in frozen) \
+        + state_bytes(train.optimizer, shapes, train)
 
 
 def _zero_momentum(opt) -> None:

@@ -56,6 +56,11 @@ class ModelConfig:
     input_size: int = _opt(0, lo=0)  # side of the images fed to the model, resized on the device (0 = the data's)
     channels_last: bool = True    # NHWC memory layout, which tensor-core convolutions prefer
     convert_ends: bool = False    # fp8, mxfp8: convert the first layer and classifier head too (torchao advises not)
+    # fine-tuning: pretrained weights (a tv: model's torchvision weights name, e.g. DEFAULT, or a state dict file),
+    # then frozen parameters (module-name prefixes, or [backbone]: all but the final classification layer)
+    weights: str = ""
+    freeze: tuple[str, ...] = ()
+    freeze_bn: bool = False       # frozen BatchNorm layers stay in eval mode (running statistics as loaded)
 
 
 @dataclass(frozen=True)

@@ -113,7 +113,7 @@ def check(params: Path, last_data_source: Path) -> Checked:
     model = models.check(cfg.model, num_classes=desc["num_classes"], image_size=size)
     where, why = placement.choose_placement(
         cfg.data.placement, data.resident_bytes(desc, cfg.train.augment),
-        optim.training_bytes(model["param_shapes"], cfg.train), desc, device, info)
+        optim.training_bytes(model["param_shapes"], cfg.train, model["frozen_shapes"]), desc, device, info)
     workers = config.resolve_workers(cfg.data.workers, placement.usable_cores(), cfg.distributed.nproc_per_node)
     shm = None
     if where == "stream":
@@ -126,7 +126,9 @@ def check(params: Path, last_data_source: Path) -> Checked:
     machine.check_distributed(cfg.distributed, device, info, {p.grad_comm for p in plans.values() if p.ddp})
     models.check_unused(model, cfg.model, cfg.distributed, any(p.ddp for p in plans.values()))
     censuses, census_warnings = census(cfg, device, size, desc["num_classes"])
+    weights_note = models.finetune.input_note(cfg.model, size)
     warnings = machine.warnings_for(info) + precision.notes(precisions, info["gpu"]) + census_warnings \
+        + ([weights_note] if weights_note else []) \
         + data.folder.bad_file_lines(desc) + ([shm] if shm else []) + tracking_warnings(cfg)
     return Checked(cfg, desc, info, device, model, where, why, workers, source, plans, censuses, warnings)
 
@@ -159,7 +161,10 @@ def say(c: Checked) -> None:
           + f", torch {c.info['torch']}, variants: {', '.join(c.plans)}"
           + (f", {nproc} processes per machine (torchrun, {config.resolve_backend(cfg.distributed, c.device)})"
              if nproc > 1 else ""))
-    print(f"env_check: model {c.model['model']} ({c.model['param_count']:,} parameters), data {cfg.data.source}: "
+    trained = c.model["trainable_param_count"]
+    params = f"{c.model['param_count']:,} parameters" if trained == c.model["param_count"] else \
+        f"{trained:,} of {c.model['param_count']:,} parameters trained"
+    print(f"env_check: model {c.model['model']} ({params}), data {cfg.data.source}: "
           f"{c.desc['train_count']:,} train / {c.desc['test_count']:,} test images, {c.desc['num_classes']} classes")
     print(f"env_check: data placement {c.placement} ({c.why})"
           + (f", {c.workers} DataLoader worker(s) per process" if c.placement == "stream" else ""))

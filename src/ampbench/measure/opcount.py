@@ -238,7 +238,7 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         with StepCounter(low, fuse, block_fp8) as counter, torch.no_grad():
             model(x)
         return counter.ops
-    opt = make_optimizer(model.parameters())
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])  # a frozen one gets no state
 
     def step(counter: StepCounter):
         opt.zero_grad(set_to_none=True)

@@ -15,11 +15,14 @@ training.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import importlib
 import inspect
+import io
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from torch import nn
 
 from ampbench.config import DistributedConfig, ModelConfig
 from ampbench.errors import ConfigError, first_line
+from ampbench.models import finetune
 from ampbench.models.cifar import resnet18_cifar, small_cnn
 from ampbench.models.vit import PATCH, vit_tiny
 
@@ -116,23 +120,54 @@ def input_size(cfg: ModelConfig, data_size: int) -> int:
     return cfg.input_size or data_size
 
 
-def build(cfg: ModelConfig, *, num_classes: int, image_size: int, device: str | torch.device) -> nn.Module:
-    """The model for ``cfg``, on ``device``, in channels_last if asked."""
-    model = _builder(cfg)(num_classes, image_size).to(device)
+def _make(cfg: ModelConfig, num_classes: int, image_size: int, pretrained: bool = True,
+          said: list[str] | None = None) -> nn.Module:
+    """The model for ``cfg``: built, its pretrained weights loaded (``pretrained``; without, the same structure, for
+    a meta copy or for weights loaded next), its frozen parameters frozen. What the loading did goes to ``said``."""
+    said = [] if said is None else said
+    tv = cfg.arch.startswith(TV_PREFIX) and not cfg.factory
+    if pretrained and cfg.weights and not finetune.is_file(cfg.weights):
+        finetune.tv_weights(cfg)  # a name torchvision has for this model, or the fix
+    if pretrained and cfg.weights and tv and not finetune.is_file(cfg.weights):
+        tv_name = cfg.arch[len(TV_PREFIX):]
+        _builder(cfg)  # an unknown name stops here
+        model = finetune.build_tv(cfg, tv_name, num_classes, image_size, NO_AUX.get(tv_name, {}), said)
+    else:
+        model = _builder(cfg)(num_classes, image_size)
+        if pretrained and cfg.weights:
+            finetune.load(model, cfg, num_classes, image_size, said)
+    return finetune.freeze(model, cfg, image_size)
+
+
+def build(cfg: ModelConfig, *, num_classes: int, image_size: int, device: str | torch.device,
+          pretrained: bool = True) -> nn.Module:
+    """The model for ``cfg``, on ``device``, in channels_last if asked (``pretrained=False``: without loading
+    ``model.weights``, for a state dict loaded next)."""
+    model = _make(cfg, num_classes, image_size, pretrained).to(device)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
 
 
+# torch's warning for each tensor a factory's load_state_dict copies onto a meta parameter (a no-op there)
+META_COPY_WARNING = r".*copying from a non-meta parameter in the checkpoint to a meta parameter.*"
+
+
 def build_meta(cfg: ModelConfig, *, num_classes: int, image_size: int) -> nn.Module:
     """The model with shapes and no values, on the meta device: built there (no memory, no initialisation time), or
-    on the CPU and moved when its constructor reads values (RegNet: "Cannot copy out of meta tensor")."""
-    build = _builder(cfg)  # an unknown name or a factory that does not import stops here
-    try:
-        with torch.device("meta"):
-            model = build(num_classes, image_size)
-    except Exception:  # the constructor (or a factory) computes with values: build it for real, then drop them
-        model = build(num_classes, image_size)
+    on the CPU and moved when its constructor reads values (RegNet: "Cannot copy out of meta tensor"). Frozen as
+    trained, without ``model.weights`` (shapes only); a factory that loads its own weights loads them onto meta
+    tensors without a warning per tensor, and what it prints was shown by the model check already."""
+    _builder(cfg)  # an unknown name or a factory that does not import stops here, with its message
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.filterwarnings("ignore", message=META_COPY_WARNING)
+        try:
+            with torch.device("meta"):
+                model = _make(cfg, num_classes, image_size, pretrained=False)
+        except ConfigError:
+            raise
+        except Exception:  # the constructor (or a factory) computes with values: build it for real, then drop them
+            model = _make(cfg, num_classes, image_size, pretrained=False)
     model = model.to("meta")
     return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
 
@@ -186,7 +221,10 @@ def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
     if cfg.arch == "vit_tiny" and not cfg.factory and image_size % PATCH:
         raise ConfigError(f"params.yaml: model.arch = 'vit_tiny' needs an input size divisible by its patch "
                           f"({PATCH}), got {image_size}; set model.input_size to a multiple of {PATCH}")
-    model = _builder(cfg)(num_classes, image_size)
+    said: list[str] = []
+    model = _make(cfg, num_classes, image_size, said=said)
+    for line in said:
+        print(line, flush=True)
     x = torch.zeros(2, 3, image_size, image_size)
     try:
         out = model.train()(x)  # train mode: what the training step sees (aux heads, dropout)
@@ -205,7 +243,8 @@ def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
         out.float().sum().backward()
     unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]  # what the optimizer keeps state for
-    return {**describe(model, cfg), "unused": unused, "param_shapes": shapes}
+    frozen = [tuple(p.shape) for p in model.parameters() if not p.requires_grad]  # weights only: no gradient, no state
+    return {**describe(model, cfg), "unused": unused, "param_shapes": shapes, "frozen_shapes": frozen}
 
 
 def check_unused(model: dict, cfg: ModelConfig, distributed: DistributedConfig, ddp: bool) -> None:
@@ -226,7 +265,8 @@ def check_unused(model: dict, cfg: ModelConfig, distributed: DistributedConfig, 
 
 
 def describe(model: nn.Module, cfg: ModelConfig) -> dict:
-    return {"model": name(cfg), "param_count": sum(p.numel() for p in model.parameters())}
+    trained, total = finetune.trained(model)
+    return {"model": name(cfg), "param_count": total, "trainable_param_count": trained}
 
 
 def source_record(cfg: ModelConfig) -> dict:
@@ -236,16 +276,25 @@ def source_record(cfg: ModelConfig) -> dict:
     if tv:
         import torchvision
     return {"model": name(cfg), "factory_source": source_hash(cfg),
-            "torchvision": torchvision.__version__ if tv else None}
+            "torchvision": torchvision.__version__ if tv else None,
+            **({"weights": finetune.identity(cfg)} if cfg.weights else {})}
 
 
 def source_hash(cfg: ModelConfig, root: Path | None = None) -> str:
-    """SHA-256 of the factory's source (its whole package when it lives in one under the repository), or "".
+    """SHA-256 of the factory's source (its whole package when it lives in one under the repository) and of a
+    ``model.weights`` file, or "".
 
-    It goes into each variant's plan, so editing the factory's file reruns the train stages.
+    It goes into each variant's plan, so editing the factory's file or replacing the weights reruns the train
+    stages.
     """
-    if not cfg.factory:
-        return ""
+    weights = finetune.identity(cfg, root) if cfg.weights and finetune.is_file(cfg.weights) else ""
+    factory = _factory_hash(cfg, root) if cfg.factory else ""
+    if not weights:
+        return factory
+    return hashlib.sha256(f"{factory}|{weights}".encode()).hexdigest()[:16]  # a weights file's bytes too
+
+
+def _factory_hash(cfg: ModelConfig, root: Path | None) -> str:
     module_name = cfg.factory.partition(":")[0]
     _import_factory(cfg.factory)
     module = sys.modules[module_name]

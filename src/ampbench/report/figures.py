@@ -143,7 +143,8 @@ def audit(runs: dict[str, dict], path: Path) -> Path | None:
     for key, label in (("grad_underflow", "flush to zero, unscaled"), ("grad_subnormal", "subnormal, unscaled"),
                        ("grad_scaled_underflow", f"flush to zero at scale {scale:g}"),
                        ("grad_scaled_overflow", f"overflow at scale {scale:g}")):
-        ax.plot(x, [float(r[key]) * 100 for r in rows], marker=".", label=label)
+        ax.plot(x, [float(r[key]) * 100 if r.get(key) not in ("", None) else float("nan") for r in rows],
+                marker=".", label=label)  # nan: a frozen layer, which no gradient reaches
     ax.set_xticks(list(x), layers, rotation=90, fontsize=6)
     ax.set(ylabel="% of gradient values", title=f"fp16 numerics audit of {name}, per layer (execution order)")
     ax.legend(fontsize=7)

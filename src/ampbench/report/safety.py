@@ -83,9 +83,14 @@ def _grad_norms(baseline: str, runs: dict) -> list[str]:
 def _audit(name: str, run: dict) -> list[str]:
     """The fp16 numerics audit of one run: its five layers most at risk."""
     rows, scale = run["numerics"], run["metrics"].get("final_loss_scale")
-    at_risk = sorted(rows, key=lambda r: -float(r["grad_underflow"]))[:5]
+    graded = [r for r in rows if r.get("grad_underflow") not in ("", None)]  # frozen layers get no gradient
+    at_risk = sorted(graded, key=lambda r: -float(r["grad_underflow"]))[:5]
     at_risk = [r for r in at_risk if float(r["grad_underflow"]) > 0 or float(r["act_overflow"]) > 0]
-    lines = [f"fp16 numerics audit of `{name}` ({len(rows)} layers; gradients measured in fp32, then "
+    frozen = sum(str(r.get("frozen")) == "True" for r in rows)
+    without = len(rows) - len(graded)
+    trained = (f"; {frozen} of them frozen, {without} reached by no gradient (activations only)"
+               if frozen or without else "")
+    lines = [f"fp16 numerics audit of `{name}` ({len(rows)} layers{trained}; gradients measured in fp32, then "
              f"cast to fp16 unscaled and at the loss scale in use, {scale:g}):", ""]
     if not at_risk:
         lines.append("- no layer had gradient values that fp16 would flush to zero, or activations that "

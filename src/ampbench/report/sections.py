@@ -26,6 +26,9 @@ from ampbench.report.verdict import paragraph, why
 def model_line(m: dict) -> str:
     """Model <name> (<n> parameters, <s>x<s> inputs), <k> classes of <data> (<n> train / <n> test images)."""
     params = f"{m['param_count']:,} parameters, " if m.get("param_count") else ""
+    trained = m.get("trainable_param_count")
+    if params and trained is not None and trained != m["param_count"]:  # fine-tuning: say how much of it trains
+        params = f"{trained:,} of {m['param_count']:,} parameters trained, "
     size = f"{m['input_size']}x{m['input_size']} inputs" if m.get("input_size") else "CIFAR-sized inputs"
     classes = f"{m['num_classes']} classes of " if m.get("num_classes") else ""
     return (f"Model {m.get('model') or m.get('arch')} ({params}{size}), {classes}{m.get('data_source')} data "

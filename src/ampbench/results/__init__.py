@@ -86,13 +86,20 @@ class Table:
     empty: tuple[str, ...] = ()    # the header it gets with no rows, when its rows give its columns
 
 
+# the fp16 numerics audit: per layer, whether its parameters are all frozen, and the shares of its activations and of
+# the gradients flowing back into it that overflow, flush to zero or land subnormal in fp16 (the gradient columns
+# empty where no gradient reaches the layer: frozen layers before the first trained one)
+FP16_FRACTIONS = ("overflow", "underflow", "subnormal")
+NUMERICS_COLUMNS = ("layer", "type", "autocast_dtype", "values", "frozen",
+                    *(f"{kind}_{f}" for kind in ("act", "grad", "grad_scaled") for f in FP16_FRACTIONS))
+
 # A run folder's tables, by the key ``read_run`` gives each (and a run result's ``tables()``). A new per-run table
 # is one line here, its rows from what makes them, and a report section that reads ``run[key]``.
 TABLES = {
     "history": Table(HISTORY, empty=("epoch",)),                # one row per epoch
     "scale": Table(SCALE, ("step", "scale", "skipped")),        # every loss-scale change
     "grad_norm": Table(GRAD_NORM, ("step", "grad_norm")),       # the gradient norm before clipping, per step
-    "numerics": Table(NUMERICS, empty=("layer",)),             # the fp16 numerics audit, one row per layer
+    "numerics": Table(NUMERICS, NUMERICS_COLUMNS),              # the fp16 numerics audit, one row per layer
     "system": Table(SYSTEM, tuple(SYSTEM_COLUMNS)),             # CPU, memory and GPU samples while training
 }
 

@@ -28,6 +28,7 @@ class Metrics(TypedDict, total=False):
     arch: str
     model: str
     param_count: int
+    trainable_param_count: int  # those with requires_grad (fine-tuning freezes the rest)
     input_size: int
     num_classes: int
     device: str

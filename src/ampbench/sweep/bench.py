@@ -102,5 +102,6 @@ class Bench:
         return out
 
     def fixed_bytes(self) -> int:
-        params = list(self.model.parameters())
-        return 2 * memory.tensor_bytes(params) + memory.optimizer_state_bytes(self.opt)
+        params = list(self.model.parameters())  # the weights, and a gradient for each trained one
+        return memory.tensor_bytes(params) + memory.tensor_bytes(p for p in params if p.requires_grad) \
+            + memory.optimizer_state_bytes(self.opt)

@@ -179,8 +179,9 @@ def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: 
     saved = torch.load(path, map_location="cpu", weights_only=True)
     variant = run_name.split("@")[-1]
     # a factory that no longer builds what it trained raises here: the run is logged without the model
-    module = models.build(ModelConfig(**saved["model"]), num_classes=saved["num_classes"],
-                          image_size=saved["image_size"], device="cpu")
+    module = models.build(ModelConfig(**{**saved["model"], "freeze": tuple(saved["model"].get("freeze", ()))}),
+                          num_classes=saved["num_classes"], image_size=saved["image_size"], device="cpu",
+                          pretrained=False)  # its own trained weights, not the pretrained ones fetched again
     module.load_state_dict(saved["state_dict"])
     code = [Path(models.__file__).resolve().parents[1]]  # the ampbench package: built-in models unpickle from it
     factory = saved["model"].get("factory")

@@ -23,6 +23,7 @@ from ampbench import config, data, models, runplan
 from ampbench.config import optim
 from ampbench.errors import analysis, first_line
 from ampbench.measure import roofline
+from ampbench.models import finetune
 from ampbench.precision import BASELINE, converting, names, rung
 from ampbench.train import probes, setup, step
 
@@ -92,8 +93,9 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
         return rows[-1]
 
     model, built_s = _timed(models.build_meta, cfg.model, num_classes=num_classes, image_size=side)
-    params = sum(p.numel() for p in model.parameters())
-    row("build", True, f"{params / 1e6:,.1f}M parameters, shapes built in {built_s:.1f} s", s=built_s)
+    trained, params = finetune.trained(model)
+    frozen = f" ({trained / 1e6:,.2f}M of them trained)" if trained != params else ""
+    row("build", True, f"{params / 1e6:,.1f}M parameters{frozen}, shapes built in {built_s:.1f} s", s=built_s)
     if max_params and params > max_params:
         no_step = f"{params / 1e6:,.0f}M parameters, over {max_params / 1e6:,.0f}M for a step on the {device}"
     fix = models.input_size_fix(cfg.model, num_classes, side, model)

@@ -86,7 +86,7 @@ def run_result(t) -> RunResult:
         **mem,  # under DDP: the largest of the ranks' peaks
         "activation_bytes": t.activation_bytes,
         "param_bytes": memory.tensor_bytes(params),
-        "grad_bytes": memory.tensor_bytes(params),  # one fp32 gradient per parameter
+        "grad_bytes": memory.tensor_bytes(p for p in params if p.requires_grad),  # one per trained parameter
         "optimizer_state_bytes": memory.optimizer_state_bytes(t.opt),
         "dataset_bytes": t.train_batches.nbytes + t.test_batches.nbytes,
         "final_acc": last["eval_acc"], "best_acc": t.best_acc, "final_loss": last["train_loss"],

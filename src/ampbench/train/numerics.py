@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ampbench.errors import first_line
+from ampbench.results import NUMERICS_COLUMNS
 
 FP16_MAX = 65504.0          # larger magnitudes overflow to inf
 FP16_MIN_NORMAL = 2.0 ** -14  # 6.1e-5: below it fp16 is subnormal and loses precision
@@ -66,7 +67,8 @@ def audit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], sc
     """Per leaf layer: autocast dtype and fp16 overflow/underflow/subnormal shares of activations and gradients."""
     probe = _without_inplace(model).train()
     layers = _leaves(probe)
-    rows = {name: {"layer": name, "type": type(m).__name__, "autocast_dtype": None, "values": 0} for name, m in layers}
+    rows = {name: {"layer": name, "type": type(m).__name__, "autocast_dtype": None, "values": 0,
+                   "frozen": _frozen(m)} for name, m in layers}
     sums: dict[str, dict[str, float]] = {name: {} for name, _ in layers}
 
     def add(name: str, prefix: str, t: torch.Tensor, s: float, weight: int) -> None:
@@ -107,9 +109,16 @@ def audit(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], sc
     out = []
     for name, _ in layers:
         n = rows[name]["values"]
-        if n:
-            out.append({**rows[name], **{k: v / n for k, v in sorted(sums[name].items())}})
+        if n:  # one schema for every row: a layer no gradient reaches (frozen, before any trained one) has none
+            row = {**rows[name], **{k: None for k in NUMERICS_COLUMNS if k not in rows[name]}}
+            out.append({**row, **{k: v / n for k, v in sums[name].items()}})
     return out
+
+
+def _frozen(m: nn.Module) -> bool:
+    """A layer with parameters, none of them trained."""
+    params = list(m.parameters(recurse=False))
+    return bool(params) and not any(p.requires_grad for p in params)
 
 
 def nonfinite_state(model: nn.Module, opt: torch.optim.Optimizer | None) -> list[str]:

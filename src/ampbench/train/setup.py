@@ -67,7 +67,8 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     input_size = models.input_size(plan.model, meta["image_shape"][-1])
     model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
-    opt = optimizer(plan, model.parameters())
+    # over the trained parameters only, as fine-tuning recipes build it: a frozen one gets no state (SGD's momentum)
+    opt = optimizer(plan, [p for p in model.parameters() if p.requires_grad])
     return Setup(plan=plan, policy=policy, model=model, opt=opt, scaler=policy.scaler(),
                  step_model=distributed.step_model(model, world, plan), input_size=input_size)
 
@@ -81,4 +82,5 @@ def plain_model(s: Setup, meta: dict, device: torch.device) -> torch.nn.Module:
     if not s.policy.rung.converts:
         return s.model
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's draws unchanged
-        return models.build(s.plan.model, num_classes=meta["num_classes"], image_size=s.input_size, device=device)
+        return models.build(s.plan.model, num_classes=meta["num_classes"], image_size=s.input_size, device=device,
+                            pretrained=False)  # its values are not what it is built for
