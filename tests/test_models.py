@@ -131,7 +131,8 @@ def user_models(tmp_path, monkeypatch):
 def test_factory_builds_the_users_module(user_models):
     info = models.check(ModelConfig(factory="mymodels.nets:build"), num_classes=5, image_size=32)
     assert info == {"model": "mymodels.nets:build", "param_count": 3 * 8 * 9 + 8 + 8 * 5 + 5, "unused": [],
-                    "param_shapes": [(8, 3, 3, 3), (8,), (5, 8), (5,)]}
+                    "trainable_param_count": 3 * 8 * 9 + 8 + 8 * 5 + 5,
+                    "param_shapes": [(8, 3, 3, 3), (8,), (5, 8), (5,)], "frozen_shapes": []}
     sized = models.build(ModelConfig(factory="mymodels.nets:sized", channels_last=False), num_classes=3,
                          image_size=16, device="cpu")
     assert sized[1].in_features == 3 * 16 * 16  # image_size is passed when the factory takes it
