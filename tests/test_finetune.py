@@ -258,3 +258,24 @@ def test_the_roofline_counts_what_autograd_runs_for_a_frozen_backbone():
     assert head <= frozen["backward"][0] < head + 8 * 10 * 8  # and the loss's gradient, elementwise
     params = 11_173_962
     assert frozen["optimizer"][1] / full["optimizer"][1] == pytest.approx((512 * 10 + 10) / params, rel=0.05)
+
+
+@pytest.mark.parametrize("rung", ["fp8", "mxfp8"])
+def test_fp8_keeps_frozen_linear_layers_out_of_the_conversion_and_says_so(rung):
+    """torchao's float8 and MX Linear compute the weight's gradient GEMM whether or not the weight trains: a frozen
+    block converted would pay it. vit_tiny with every block frozen but the last: only the last block converts."""
+    from ampbench import precision
+    r = precision.rung(rung)
+    free = models.build_meta(ModelConfig(arch="vit_tiny"), num_classes=10, image_size=16)
+    cfg = ModelConfig(arch="vit_tiny", freeze=tuple(f"encoder.layers.encoder_layer_{i}" for i in range(5)))
+    tuned = models.build_meta(cfg, num_classes=10, image_size=16)
+    all_, last = (r.census(m, r.cpu_recipes[0], 16) for m in (free, tuned))
+    assert last["called"] == [n for n in all_["called"] if n.startswith("encoder.layers.encoder_layer_5.")]
+    assert last["called"] and all(n.startswith("encoder.layers.encoder_layer_") for n in last["frozen"])
+    assert len(last["frozen"]) == all_["converted"] - last["converted"]
+    assert "frozen Linear layer(s) it could convert stay bf16" in r.census_summary(last)
+    model = precision.rung(rung).prepare(models.build(cfg, num_classes=10, image_size=16, device="cpu"),
+                                         r.cpu_recipes[0])
+    converted = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)  # a torchao module, or weight
+                 and (type(m).__module__.startswith("torchao") or type(m.weight).__module__.startswith("torchao"))}
+    assert converted and all(n.startswith("encoder.layers.encoder_layer_5.") for n in converted)

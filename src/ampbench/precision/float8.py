@@ -11,7 +11,7 @@ import contextlib
 from dataclasses import dataclass
 
 from ampbench.errors import ConfigError
-from ampbench.precision.linear import LinearRung, keeps, layer_count
+from ampbench.precision.linear import LinearRung, frozen_out, keeps, layer_count
 
 MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each fp8 GEMM to be multiples of 16
 SMALL_GEMM = 2048  # below this on every side, fp8's scaling and casts outweigh its faster GEMM (torchao's benchmark)
@@ -86,6 +86,7 @@ def layers(model, recipe: str, image_size: int, ends: bool = False) -> dict:
     total = counter.get_total_flops()
     widest = max(shapes.values(), key=lambda s: s[0] * s[1])[:2] if shapes else None
     return {"recipe": recipe, "converted": len(chosen), "called": sorted(called),
+            "frozen": frozen_out(model, eligible, ends),
             "flop_share": sum(called.values()) / total if total else 0.0, "widest": widest,
             "layers": dict(sorted(shapes.items())), "rows_per_image": sorted({s[2] for s in shapes.values()})}
 

@@ -26,11 +26,25 @@ def end_names(model) -> set[str]:
     return out | set(linears[-1:])
 
 
+def frozen(module) -> bool:
+    """A layer whose own parameters are all frozen (fine-tuning's backbone)."""
+    own = list(module.parameters(recurse=False))
+    return bool(own) and not any(p.requires_grad for p in own)
+
+
 def keeps(model, eligible, ends: bool):
     """The filter a conversion applies, ``(module, fqn) -> bool``: ``eligible`` layers, less the model's ends
-    unless ``ends`` (convert them too)."""
+    unless ``ends`` (convert them too), less frozen layers: torchao's float8 and MX Linear compute the weight's
+    gradient GEMM whether or not the weight needs one (they check no ``needs_input_grad``), so a frozen layer
+    converted would pay a GEMM that the same layer in bf16 skips."""
     kept = set() if ends else end_names(model)
-    return lambda module, fqn="": eligible(module) and fqn not in kept
+    return lambda module, fqn="": eligible(module) and fqn not in kept and not frozen(module)
+
+
+def frozen_out(model, eligible, ends: bool) -> list[str]:
+    """The layers a conversion would take but for being frozen, which it keeps in bf16."""
+    kept = set() if ends else end_names(model)
+    return [n for n, m in model.named_modules() if eligible(m) and n not in kept and frozen(m)]
 
 
 def layer_count(n) -> str:
@@ -93,17 +107,24 @@ class LinearRung(Rung):
         called = census["called"]
         return (f"{self.name} ({census['recipe']}) runs {len(called)} of the model's layers in {self.format_name} "
                 f"({census['flop_share']:.0%} of its forward FLOPs)"
-                + (f": {', '.join(called[:6])}" + (", ..." if len(called) > 6 else "") if called else ""))
+                + (f": {', '.join(called[:6])}" + (", ..." if len(called) > 6 else "") if called else "")
+                + self.frozen_note(census))
+
+    def frozen_note(self, census: dict) -> str:
+        n = len(census.get("frozen") or ())
+        return (f"; {n} frozen Linear layer(s) it could convert stay bf16 (torchao's {self.format_name} Linear "
+                "computes the weight's gradient whether or not the weight trains)") if n else ""
 
     def census_lines(self, census: dict) -> list[str]:
         if census.get("error"):
             return ["", f"What {self.name} converts could not be counted: {census['error']}."]
         if not census["called"]:
             return ["", f"{self.name} converts no layer of this model (no Linear layer {self.reach} has both "
-                    f"dimensions multiples of {self.multiple}), so its {self.name} variants measure bf16."]
+                    f"dimensions multiples of {self.multiple}{self.frozen_note(census)}), so its {self.name} "
+                    "variants measure bf16."]
         text = (f"{self.name} ({census['recipe']}) runs {len(census['called'])} Linear layers in "
                 f"{self.format_name}{self.format_how}, {census['flop_share']:.0%} of the model's forward FLOPs"
-                f"{self.census_how}; the rest stays bf16.")
+                f"{self.census_how}; the rest stays bf16{self.frozen_note(census)}.")
         if census.get("small_gemms"):
             text += f" On this model {census['small_gemms']}."
         return ["", text]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ampbench.errors import ConfigError
-from ampbench.precision.linear import LinearRung, keeps, layer_count
+from ampbench.precision.linear import LinearRung, frozen_out, keeps, layer_count
 
 BLOCK = 32  # values per shared scale; every dimension of every MX GEMM is a multiple of it
 EMULATED = "mxfp8_emulated_rceil"
@@ -101,6 +101,7 @@ def layers(model, recipe: str, image_size: int, ends: bool = False) -> dict:
     shapes = {name: [m.in_features, m.out_features, rows[name]] for name, m in weights.values() if name in called}
     widest = max(shapes.values(), key=lambda s: s[0] * s[1])[:2] if shapes else None
     return {"recipe": recipe, "converted": len(weights), "called": sorted(called),
+            "frozen": frozen_out(model, eligible, ends),
             "flop_share": sum(called.values()) / total if total else 0.0, "widest": widest,
             "layers": dict(sorted(shapes.items())), "rows_per_image": sorted(set(rows.values()))}
 
