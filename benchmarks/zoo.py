@@ -35,13 +35,15 @@ from ampbench.sandbox import REPO_ROOT
 from ampbench.train import conformance
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+FINE_TUNE = ("fp32", "fp16")  # stepped again with the backbone frozen: the fine-tune column
 RATIO_KEYS = [(gpu, f"{p}_vs_{ref}") for gpu in conformance.ZOO_GPUS for p in ("fp16", "bf16")
               for ref in ("fp32", "tf32")]
 COLUMNS = (["model", "params_m", "input_size", "input_fix", "gflop_per_image", "fp8_layers", "fp8_flop_share",
             "activation_meter"]
            + [f"{gpu.replace(' ', '_')}_{key}" for gpu, key in RATIO_KEYS]
            + [f"{gpu.replace(' ', '_')}_launch_bound" for gpu in conformance.ZOO_GPUS] + list(PRECISIONS)
-           + [f"{p}_why" for p in PRECISIONS] + ["roofline_why", "seconds"])
+           + [f"{p}_why" for p in PRECISIONS] + [f"finetune_{p}" for p in FINE_TUNE]
+           + [f"finetune_{p}_why" for p in FINE_TUNE] + ["roofline_why", "seconds"])
 
 
 def check_one(name: str, params: dict, max_params: float, step_budget: float) -> dict:
@@ -50,7 +52,7 @@ def check_one(name: str, params: dict, max_params: float, step_budget: float) ->
     cfg = config.from_dict(raw)
     t0 = time.perf_counter()
     result = conformance.check_model(cfg, precisions=PRECISIONS, device="cpu", step_budget_s=step_budget,
-                                     max_params=max_params)
+                                     max_params=max_params, fine_tune=FINE_TUNE)
     rows = {r["check"]: r for r in result["rows"]}
     out = {"model": name, "params_m": result["params"] / 1e6, "input_size": result["input_size"],
            "input_fix": "" if rows["input size"]["ok"] else rows["input size"]["detail"],
@@ -68,6 +70,10 @@ def check_one(name: str, params: dict, max_params: float, step_budget: float) ->
         r = rows[f"step {p}"]
         out[p] = {True: "pass", False: "FAIL", None: "skipped"}[r["ok"]]
         out[f"{p}_why"] = "" if r["ok"] else r["detail"]
+    for p in FINE_TUNE:
+        r = rows[f"fine-tune {p}"]
+        out[f"finetune_{p}"] = {True: "pass", False: "FAIL", None: "skipped"}[r["ok"]]
+        out[f"finetune_{p}_why"] = "" if r["ok"] else r["detail"]
     stepped = [rows[f"step {p}"] for p in PRECISIONS if rows[f"step {p}"]["ok"]]
     # the activation meter after each step that ran (at two images the fp16 casts of the weights outweigh the
     # activations, so its bytes say nothing of fp16's saving here: only that the meter follows the model)
@@ -117,6 +123,13 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
         lines.append(f"- {p} step: {passed} pass" + (f", {len(skipped)} not stepped ({', '.join(skipped)})"
                                                      if skipped else "")
                      + (f", {len(failed)} fail: {'; '.join(failed)}" if failed else ", none fails"))
+    for p in FINE_TUNE:
+        key = f"finetune_{p}"
+        failed = [f"{r['model']} ({r[f'{key}_why']})" for r in rows if r.get(key) == "FAIL"]
+        lines.append(f"- fine-tune {p} step (backbone frozen: every parameter but the final classification layer's "
+                     f"unchanged, that layer moved): {sum(r.get(key) == 'pass' for r in rows)} pass, "
+                     f"{sum(r.get(key) == 'skipped' for r in rows)} not stepped"
+                     + (f", {len(failed)} fail: {'; '.join(failed)}" if failed else ", none fails"))
     skips = {r["model"]: r["fp32_why"] or r["tf32_why"] for r in rows if "skipped" in (r["fp32"], r["tf32"])}
     if skips:
         lines += ["", "Not stepped on the CPU: " + "; ".join(f"{m}: {why.removeprefix('not stepped: ')}"
@@ -124,8 +137,8 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
     lines += ["", "## Every model", "",
               "| model | params | input | GFLOP/img | fp8 converts | RTX 5090 fp16 / bf16 vs fp32 (vs tf32) "
               "| H100 SXM fp16 / bf16 vs fp32 (vs tf32) | activation meter | " + " | ".join(PRECISIONS)
-              + " | s |",
-              "|---|---|---|---|---|---|---|---|" + "---|" * len(PRECISIONS) + "---|"]
+              + " | fine-tune " + " / ".join(FINE_TUNE) + " | s |",
+              "|---|---|---|---|---|---|---|---|" + "---|" * len(PRECISIONS) + "---|---|"]
     for r in rows:
         cells = []
         for gpu in conformance.ZOO_GPUS:
@@ -137,7 +150,8 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
         size = f"{r['input_size']}" + (" (set)" if r["input_fix"] else "")
         lines.append(f"| {r['model']} | {r['params_m']:,.1f}M | {size} | {_num(r['gflop_per_image'])} | {fp8} "
                      f"| {' | '.join(cells)} | {r.get('activation_meter', 'n/a')} | "
-                     + " | ".join(r[p] for p in PRECISIONS) + f" | {r['seconds']:.0f} |")
+                     + " | ".join(r[p] for p in PRECISIONS)
+                     + f" | {' / '.join(r.get(f'finetune_{p}', 'n/a') for p in FINE_TUNE)} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -166,10 +180,12 @@ def main() -> None:
             row = {"model": name, "params_m": 0.0, "input_size": None, "input_fix": "", "not_checked": first_line(err),
                    "gflop_per_image": None, "fp8_layers": None, "fp8_flop_share": None, "seconds": 0.0,
                    **{p: "FAIL" for p in PRECISIONS}, **{f"{p}_why": first_line(err) for p in PRECISIONS},
+                   **{f"finetune_{p}": "FAIL" for p in FINE_TUNE},
                    **{f"{g.replace(' ', '_')}_{k}": None for g, k in RATIO_KEYS}, "activation_meter": "FAIL"}
         rows.append(row)
         done = time.perf_counter() - t0
         print(f"[zoo {i}/{len(names)}] {name}: " + " ".join(f"{p} {row[p]}" for p in PRECISIONS)
+              + " fine-tune " + " ".join(f"{p} {row.get(f'finetune_{p}')}" for p in FINE_TUNE)
               + f" ({row['seconds']:.0f} s; {done / 60:.1f} min, ETA {done / i * (len(names) - i) / 60:.1f} min)",
               flush=True)
     out = Path(args.out)

@@ -49,6 +49,9 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
         plan = dataclasses.replace(plan, recipe=r.cpu_recipes[0])
     meta = {"image_shape": [3, size, size], "num_classes": num_classes, "mean": [0.5] * 3, "std": [0.25] * 3}
     s = setup.build(plan, meta, device)
+    frozen = {n: p.detach().clone() for n, p in s.model.named_parameters() if not p.requires_grad}
+    trained = [p.detach().clone() for p in s.model.parameters() if p.requires_grad]
+    scale = s.scaler.get_scale() if s.policy.uses_scaler else None
     g = torch.Generator().manual_seed(cfg.seed)
     x = torch.randn(batch, 3, size, size, generator=g).to(device)
     y = torch.randint(0, num_classes, (batch,), generator=g).to(device)
@@ -65,21 +68,32 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
             " on a CPU, whose autocast lists differ from CUDA's: it runs in fp16 some ops CUDA autocast keeps in fp32 "
             "(F.normalize's norm: its eps of 1e-12 is 0 in fp16, so a zero vector gives 0/0); a GPU run tells"
             if emulated and r.autocast == "float16" else ""))
+    changed = [n for n, p in s.model.named_parameters() if n in frozen and not torch.equal(p, frozen[n])]
+    if changed:
+        raise RuntimeError(f"the step changed {len(changed)} frozen parameter(s), e.g. {changed[0]}")
+    skipped = scale is not None and s.scaler.get_scale() < scale  # fp16's step skipped for an overflow
+    if frozen and not skipped and all(torch.equal(a, b) for a, b in zip(
+            trained, (p for p in s.model.parameters() if p.requires_grad), strict=True)):
+        raise RuntimeError("the step moved no trained parameter")
     # the activation meter, as a train stage runs it (an analysis: its failure is said, the step still passed)
     saved, why = analysis("activations", models.name(cfg.model), probes.activation_bytes, s.model, x, s.policy)
-    return {"loss": loss, "s": seconds, "activation_bytes": saved,
+    return {"loss": loss, "s": seconds, "activation_bytes": saved, "trained": sum(t.numel() for t in trained),
+            "skipped": skipped,
             "note": note + ("emulated on a CPU: it shows the step runs, not its speed; " if emulated else ""),
             "activations": f"activations {saved / 2**10:,.0f} KiB" if why is None else f"activations not measured "
                                                                                        f"({why})"}
 
 
 def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device: str = "cpu",
-                step_budget_s: float = 0.0, max_params: float = 0.0, no_step: str = "") -> dict:
+                step_budget_s: float = 0.0, max_params: float = 0.0, no_step: str = "",
+                fine_tune: tuple[str, ...] = ()) -> dict:
     """Every check of ``cfg``'s model: ``{"model", "params", "input_size", "rows", "ok"}``.
 
     ``precisions``: those to step (default: the variants'); ``step_budget_s`` > 0 leaves the other precisions
     unstepped once fp32's step took longer, ``max_params`` > 0 steps none of a larger model, ``no_step`` (a
-    reason) steps none: each named in its rows.
+    reason) steps none: each named in its rows. ``fine_tune``: precisions stepped again with the model's backbone
+    frozen (``model.freeze: [backbone]``: everything but its final classification layer), each step checked to
+    leave every frozen parameter as it was and to move the trained ones (rows ``fine-tune <precision>``).
     """
     precisions = precisions or tuple(dict.fromkeys(v.precision for v in cfg.variants.values()))
     dev = torch.device(device)
@@ -161,6 +175,20 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
         row(check, True, f"{done['note']}loss {done['loss']:.3f}, step {done['s']:.2f} s (with setup "
                          f"{total_s:.1f} s), batch {batch} at {size}x{size} on {dev.type}; {done['activations']}",
             s=done["s"], activation_bytes=done["activation_bytes"])
+    tuned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, freeze=("backbone",)))
+    for precision in fine_tune:
+        check = f"fine-tune {precision}"
+        if no_step or (step_budget_s and fp32_s is not None and fp32_s > step_budget_s):
+            row(check, None, "not stepped: " + (no_step or f"fp32's step took {fp32_s:.0f} s"))
+            continue
+        try:
+            done = _step(tuned, precision, size, num_classes, dev, batches.get(precision, STEP_BATCH))
+        except Exception as err:
+            row(check, False, first_line(err))
+            continue
+        row(check, True, f"backbone frozen, {done['trained']:,} of {params:,} parameters trained and the rest "
+                         f"unchanged; loss {done['loss']:.3f}, step {done['s']:.2f} s"
+                         + (" (skipped: fp16 overflow)" if done["skipped"] else ""), s=done["s"])
     out["ok"] = all(r["ok"] is not False for r in rows)
     return out
 
