@@ -279,3 +279,14 @@ def test_fp8_keeps_frozen_linear_layers_out_of_the_conversion_and_says_so(rung):
     converted = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)  # a torchao module, or weight
                  and (type(m).__module__.startswith("torchao") or type(m.weight).__module__.startswith("torchao"))}
     assert converted and all(n.startswith("encoder.layers.encoder_layer_5.") for n in converted)
+    from ampbench.train import step
+    from ampbench.train.policy import PrecisionPolicy
+    policy = PrecisionPolicy(rung, "cpu", None, r.cpu_recipes[0])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    x, y = torch.randn(32, 3, 16, 16), torch.randint(0, 10, (32,))  # 32 x 17 tokens: MX's blocks of 32
+    for _ in range(2):  # the second: torchvision's ViT head starts at zero, so the first moves the head alone
+        step.train_step(model, opt, policy.scaler(), policy, x, y, 32)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert moved <= trained and {n for n in trained if n.endswith("weight")} <= moved  # the converted block's too
