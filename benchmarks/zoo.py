@@ -125,7 +125,7 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
                      + (f", {len(failed)} fail: {'; '.join(failed)}" if failed else ", none fails"))
     for p in FINE_TUNE:
         key = f"finetune_{p}"
-        failed = [f"{r['model']} ({r[f'{key}_why']})" for r in rows if r.get(key) == "FAIL"]
+        failed = [f"{r['model']} ({r.get(f'{key}_why')})" for r in rows if r.get(key) == "FAIL"]
         lines.append(f"- fine-tune {p} step (backbone frozen: every parameter but the final classification layer's "
                      f"unchanged, that layer moved): {sum(r.get(key) == 'pass' for r in rows)} pass, "
                      f"{sum(r.get(key) == 'skipped' for r in rows)} not stepped"
@@ -181,6 +181,7 @@ def main() -> None:
                    "gflop_per_image": None, "fp8_layers": None, "fp8_flop_share": None, "seconds": 0.0,
                    **{p: "FAIL" for p in PRECISIONS}, **{f"{p}_why": first_line(err) for p in PRECISIONS},
                    **{f"finetune_{p}": "FAIL" for p in FINE_TUNE},
+                   **{f"finetune_{p}_why": first_line(err) for p in FINE_TUNE},
                    **{f"{g.replace(' ', '_')}_{k}": None for g, k in RATIO_KEYS}, "activation_meter": "FAIL"}
         rows.append(row)
         done = time.perf_counter() - t0

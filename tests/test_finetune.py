@@ -170,6 +170,35 @@ def tiny_data_frozen(tmp_path):
     return runplan.make_plan(cfg, "amp", "cpu"), data.load_prepared(tmp_path, "cpu")
 
 
+def test_the_non_finite_diagnosis_replays_a_frozen_model(tiny_data_frozen):
+    """A frozen parameter takes no gradient hook: the diagnosis of an fp16 stop watches the trained ones."""
+    plan, prepared = tiny_data_frozen
+    s = setup.build(plan, prepared["meta"], torch.device("cpu"))
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(0, 10, (8,))
+    x[0, 0, 0, 0] = float("inf")
+    d = numerics.diagnose(s.model, x, y, s.policy.autocast, 8192.0, s.opt)
+    assert "not_made" not in d and d["first_bad_module"] == "0.0" and d["first_bad_grad"] in ("4.0.weight",
+                                                                                              "4.1.weight", "7.weight")
+
+
+def test_weights_saved_from_a_wrapper_and_freeze_bn_alone(tmp_path):
+    """A state dict saved from DDP (``module.``), torch.compile (``_orig_mod.``) or Lightning (``model.``) loads;
+    ``freeze_bn`` works on the layers a factory froze; a model left with nothing to train is refused."""
+    torch.manual_seed(0)
+    trained = models.build(ModelConfig(arch="small_cnn"), num_classes=10, image_size=32, device="cpu")
+    torch.save({f"module.{k}": v for k, v in trained.state_dict().items()}, tmp_path / "ddp.pt")
+    model = models.build(ModelConfig(arch="small_cnn", weights=str(tmp_path / "ddp.pt")), num_classes=10,
+                         image_size=32, device="cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trained.state_dict().values(),
+                                                 strict=True))
+    with pytest.raises(ConfigError, match=r"has no parameter left to train with model.freeze = \['0', '2', '4', '7'\]"):
+        models.check(ModelConfig(arch="small_cnn", freeze=("0", "2", "4", "7")), num_classes=10, image_size=32)
+    model = finetune.freeze(models.build(ModelConfig(arch="small_cnn"), num_classes=10, image_size=32,
+                                         device="cpu").requires_grad_(False), ModelConfig(freeze_bn=True), 32)
+    model.train()(torch.randn(2, 3, 32, 32))
+    assert not model[0][1].training  # a frozen BatchNorm of the factory's own, kept in eval mode
+
+
 def test_an_fp16_run_of_a_frozen_model_writes_its_run_folder(tiny_data_frozen, tmp_path):
     """The run that lost its result to a traceback: fp16's audit over frozen layers, written to disk."""
     plan, prepared = tiny_data_frozen
@@ -216,7 +245,7 @@ def test_dvc_repro_fine_tunes_torchvision_weights_with_a_frozen_backbone(hub, tm
         assert m["grad_bytes"] == 4 * 5130
     md = (r / "report.md").read_text()
     assert "Model tv:resnet18 (5,130 of 11,181,642 parameters trained" in md
-    assert "fp16 numerics audit of `amp`" in md and "frozen" in md
+    assert "fp16 numerics audit of `amp` (" in md and " of them frozen, " in md
     path.unlink()  # the LoggedModel is the trained model: nothing pretrained to fetch
     import mlflow
     from mlflow.tracking import MlflowClient

@@ -266,4 +266,5 @@ def test_the_accumulation_check_of_fp8_measures_accumulation_not_fp8s_scaling(tm
                              progress=False)
     assert trainer.accum_check is not None and trainer.accum_check < 1e-4
     x, y = next(trainer.train_batches.epoch(0))
-    assert probes.accumulation_check(trainer.model, x, y, trainer.micro) > 100 * trainer.accum_check
+    with trainer.policy.kernels():  # the converted model's fp8 GEMMs, as its training step runs them on a CPU
+        assert probes.accumulation_check(trainer.model, x, y, trainer.micro) > 100 * trainer.accum_check

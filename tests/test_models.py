@@ -151,8 +151,10 @@ def test_parameters_the_loss_does_not_use_are_found_and_ddp_without_its_flag_ref
     models.check_unused(info, cfg, DistributedConfig(nproc_per_node=2, find_unused_parameters=True), ddp=True)
     models.check_unused(info, cfg, DistributedConfig(nproc_per_node=1), ddp=True)  # one process: no DDP
     models.check_unused(info, cfg, DistributedConfig(nproc_per_node=2), ddp=False)  # every variant ddp: false
-    frozen = models.check(ModelConfig(factory="mymodels.nets:frozen"), num_classes=5, image_size=32)
-    assert frozen["unused"] == []  # nothing trainable: nothing DDP waits for
+    # nothing trainable: nothing to train (an optimizer over no parameter), said before any stage runs
+    with pytest.raises(ConfigError, match=r"model 'mymodels.nets:frozen' has no parameter left to train \(its factory "
+                                          r"froze them all\); leave at least the final classification layer"):
+        models.check(ModelConfig(factory="mymodels.nets:frozen"), num_classes=5, image_size=32)
 
 
 @pytest.mark.parametrize(("factory", "words"), [

@@ -132,10 +132,20 @@ def write_plan(plan: RunPlan, path: Path) -> None:
         del d["recipe"]
     if d["placement"] == "device":
         del d["placement"], d["workers"]
-    for key in ("convert_ends", "weights", "freeze", "freeze_bn"):  # fine-tuning's keys only where set
-        if not d["model"][key]:
-            del d["model"][key]
+    d["model"] = model_dict(plan.model)
+    if not d["model"]["convert_ends"]:
+        del d["model"]["convert_ends"]
     path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+
+
+def model_dict(model: ModelConfig) -> dict:
+    """The model's settings as a plan and a checkpoint's fingerprint hold them: the fine-tuning keys only where
+    set, so what was written before they existed still matches."""
+    d = to_dict(model)
+    for key in ("weights", "freeze", "freeze_bn"):
+        if not d[key]:
+            del d[key]
+    return d
 
 
 def read_plan(path: str | Path) -> RunPlan:

@@ -106,7 +106,7 @@ def _builder(cfg: ModelConfig) -> Callable[[int, int], nn.Module]:
                                          "vit_b_16") if n in known)
             raise ConfigError(f"params.yaml: model.arch = {cfg.arch!r}: torchvision has no classification model "
                               f"{tv_name!r}; use one of torchvision.models.list_models(), e.g. {some}")
-        extra = NO_AUX.get(tv_name, {})
+        extra = {**NO_AUX.get(tv_name, {}), **finetune.structure(cfg, tv_name)}
         import torchvision.models
         return lambda num_classes, image_size: torchvision.models.get_model(tv_name, weights=None,
                                                                             num_classes=num_classes, **extra)
@@ -136,7 +136,12 @@ def _make(cfg: ModelConfig, num_classes: int, image_size: int, pretrained: bool 
         model = _builder(cfg)(num_classes, image_size)
         if pretrained and cfg.weights:
             finetune.load(model, cfg, num_classes, image_size, said)
-    return finetune.freeze(model, cfg, image_size)
+    model = finetune.freeze(model, cfg, image_size)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError(f"params.yaml: model {name(cfg)!r} has no parameter left to train"
+                          + (f" with model.freeze = {list(cfg.freeze)}" if cfg.freeze else " (its factory froze them "
+                             "all)") + "; leave at least the final classification layer trainable (freeze: [backbone])")
+    return model
 
 
 def build(cfg: ModelConfig, *, num_classes: int, image_size: int, device: str | torch.device,
@@ -287,7 +292,7 @@ def source_hash(cfg: ModelConfig, root: Path | None = None) -> str:
     It goes into each variant's plan, so editing the factory's file or replacing the weights reruns the train
     stages.
     """
-    weights = finetune.identity(cfg, root) if cfg.weights and finetune.is_file(cfg.weights) else ""
+    weights = finetune.identity(cfg, root) if cfg.weights else ""  # a file's digest, or torchvision's full name
     factory = _factory_hash(cfg, root) if cfg.factory else ""
     if not weights:
         return factory

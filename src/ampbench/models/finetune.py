@@ -31,7 +31,8 @@ DOWNLOAD_TIMEOUT_S = 30  # a machine without internet fails in seconds, not at t
 
 def is_file(weights: str) -> bool:
     """Whether ``model.weights`` names a file (a path) rather than torchvision weights (an enum name)."""
-    return "/" in weights or "\\" in weights or weights.endswith((".pt", ".pth", ".bin", ".safetensors"))
+    return "/" in weights or "\\" in weights or weights.endswith((".pt", ".pth", ".bin", ".ckpt")) \
+        or Path(weights).expanduser().exists()
 
 
 def identity(cfg: ModelConfig, root: Path | None = None) -> str:
@@ -150,8 +151,9 @@ def load(model: nn.Module, cfg: ModelConfig, num_classes: int, image_size: int, 
         raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r} holds a {type(state).__name__}, not a "
                           "state dict; save it with torch.save(model.state_dict(), path)")
     own = model.state_dict()
-    head = final_linear(model, image_size)
+    state = _unwrapped(state, own)
     differ = [k for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape != own[k].shape]
+    head = _head(model, cfg, image_size) if differ else ""
     if differ and all(k.startswith(head + ".") for k in differ):
         theirs = state.get(f"{head}.weight")
         classes = theirs.shape[0] if torch.is_tensor(theirs) else "other"
@@ -172,6 +174,28 @@ def load(model: nn.Module, cfg: ModelConfig, num_classes: int, image_size: int, 
     return model
 
 
+# what DDP, torch.compile and Lightning put before every key of a model's state dict
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
+
+
+def _unwrapped(state: dict, own: dict) -> dict:
+    """``state`` with a wrapper's prefix taken off every key, when all its keys carry it and ours do not."""
+    for prefix in WRAPPER_PREFIXES:
+        if state and all(k.startswith(prefix) for k in state) and not any(k.startswith(prefix) for k in own):
+            return {k[len(prefix):]: v for k, v in state.items()}
+    return state
+
+
+def _head(model: nn.Module, cfg: ModelConfig, image_size: int) -> str:
+    """The final classification layer, for weights trained for another number of classes; the fix when the model
+    has no Linear to make anew."""
+    if not any(isinstance(m, nn.Linear) for m in model.modules()):
+        raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r} has a final layer for another number of "
+                          f"classes, and {cfg.factory or cfg.arch} has no Linear classification layer that ampbench "
+                          "can make anew; load the weights in a factory (model.factory) and replace the head there")
+    return final_linear(model, image_size)
+
+
 def _names(keys: list[str]) -> str:
     return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
@@ -186,14 +210,27 @@ def build_tv(cfg: ModelConfig, tv_name: str, num_classes: int, image_size: int, 
     _fetch(cfg, weights)
     # torchvision sets what its weights need (GoogLeNet's input transform, its aux heads then dropped)
     extra = {k: v for k, v in extra.items() if k != "init_weights"}
-    model = torchvision.models.get_model(tv_name, weights=weights, **extra)
+    try:
+        model = torchvision.models.get_model(tv_name, weights=weights, **extra)
+    except Exception as err:  # torchvision checks a file's hash only when it downloads it
+        raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r}: {cached_file(weights)} does not load as "
+                          f"{weights} ({first_line(err)}); delete it to download it again, or place the right "
+                          "file there") from None
     classes = len(weights.meta.get("categories") or [])
     if classes != num_classes:
-        head = final_linear(model, image_size)
+        head = _head(model, cfg, image_size)
         _replace(model, head, num_classes)
         said.append(f"model: {tv_name} with {weights} ({classes} classes): its final layer {head} made anew for "
                     f"the data's {num_classes} classes")
     return model
+
+
+def structure(cfg: ModelConfig, tv_name: str) -> dict:
+    """What torchvision's builder sets for ``model.weights`` beyond the weights (GoogLeNet's and Inception's input
+    transform), for the same model built without loading them (a meta copy, a LoggedModel)."""
+    if cfg.weights and not is_file(cfg.weights) and tv_name in ("googlenet", "inception_v3"):
+        return {"transform_input": True}
+    return {}
 
 
 def input_note(cfg: ModelConfig, image_size: int) -> str | None:
@@ -215,10 +252,12 @@ def input_note(cfg: ModelConfig, image_size: int) -> str | None:
 def freeze(model: nn.Module, cfg: ModelConfig, image_size: int) -> nn.Module:
     """Freeze ``model.freeze``'s parameters (after the weights load); with ``model.freeze_bn`` keep the frozen
     BatchNorm layers in eval mode."""
-    if not cfg.freeze:
+    if not cfg.freeze and not cfg.freeze_bn:
         return model
     names = [n for n, _ in model.named_parameters()]
-    if BACKBONE in cfg.freeze:
+    if not cfg.freeze:
+        chosen = set()  # freeze_bn alone: a factory froze its own
+    elif BACKBONE in cfg.freeze:
         head = final_linear(model, image_size)
         chosen = {n for n in names if not _under(n, head)}
     else:

@@ -133,6 +133,10 @@ def torchrun(nproc: int, argv: list[str]) -> None:
             sys.exit(failure.exitcode if isinstance(failure.exitcode, int) and failure.exitcode > 0 else 1)
         except SignalException as err:  # Ctrl-C or a kill to the agent: it passed the signal on and closed the ranks
             import signal
+            # the agent's handlers stay installed and raise again on a second signal: with the ranks closed there is
+            # nothing left to stop, and one arriving while the interpreter exits would print a finalizer's traceback
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
             name = signal.Signals(err.sigval).name
             print(f"stopped by {name}{' (Ctrl-C)' if name == 'SIGINT' else ''}: the next `dvc repro` resumes from the "
                   f"last checkpoint saved", file=sys.stderr)

@@ -160,8 +160,9 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)  # room for the replay's copy beside the model (training is over)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.ledger.last_scale or 1.0,
-                                           self.opt)
+        with self.policy.kernels():  # its backward too
+            self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.ledger.last_scale or 1.0,
+                                               self.opt)
         self.diagnosis["reason"] = why
         fix = numerics.advice(self.diagnosis, self.plan.precision, self.plan.train.optimizer_impl, self.ledger.skipped)
         raise NonFiniteTraining(

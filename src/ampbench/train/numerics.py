@@ -153,6 +153,9 @@ def diagnose(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast, scale
                 first["first_bad_module"] = name
         handles.append(m.register_forward_hook(fwd))
     for name, p in probe.named_parameters():
+        if not p.requires_grad:  # a frozen parameter has no gradient to watch (and takes no hook)
+            continue
+
         def bwd(g, name=name):
             if first["first_bad_grad"] is None and not torch.isfinite(g).all():
                 first["first_bad_grad"] = name

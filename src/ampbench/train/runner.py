@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ampbench import runplan
 from ampbench.config import to_dict
 from ampbench.errors import AmpbenchError, NonFiniteTraining
 from ampbench.measure import stats
@@ -67,7 +68,8 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     """
     trainer = Trainer(plan, data, progress=progress, world=world)
     # the worker count does not change the batches: a checkpoint resumes under any
-    fp = checkpoint.fingerprint({**to_dict(plan), "workers": None, "world_size": world.size}, data["meta"])
+    fp = checkpoint.fingerprint({**to_dict(plan), "model": runplan.model_dict(plan.model), "workers": None,
+                                 "world_size": world.size}, data["meta"])
     state = checkpoint.load(checkpoint_dir, fp, discard=world.main)
     distributed.check_agree(world, "the checkpoint to resume from",
                             None if state is None else (state["epoch"], state["global_step"]))
