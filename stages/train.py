@@ -65,6 +65,8 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
     info = json.loads(Path(args.env).read_text())
     prepared = data.load_prepared(Path(args.data), plan.device, stream=plan.placement == "stream")
     out = Path(args.out)
+    if world.main:  # what a crash mid-write left in the run folder: never a result, never an extra DVC output
+        results.remove_temporaries(out, results.RUN_TEMPORARIES)
     monitor = sysmon.SystemMonitor(interval_s=0.5, gpu_uuid=sysmon.device_uuid(world.device(plan.device)))
     started = datetime.now(UTC).isoformat(timespec="milliseconds")  # the order the variants ran in; MLflow's start
     try:
@@ -72,14 +74,14 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
             result = runner.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints), world=world)
     except NonFiniteTraining as err:  # keep what the completed epochs measured, with the diagnosis
         if err.result is not None and world.main:
-            err.result.system = monitor.rows
+            err.result.system, err.result.system_samples = monitor.rows, monitor.samples
             err.result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
             save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env), args.params,
                  prepared["meta"])
         raise
     if not world.main:
         return
-    result.system = monitor.rows
+    result.system, result.system_samples = monitor.rows, monitor.samples
     result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
     save(plan, result, info, out, Path(args.plan).parent, Path(args.env), args.params, prepared["meta"])
     checkpoint.clear(Path(args.checkpoints))
@@ -96,7 +98,8 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
     result.metrics["command"] = " ".join(sys.argv)  # the stage's command line: the MLflow run's source
     # rank 0's GPU: median SM clock, temperature and power over the stage, energy per image (its power over its
     # own share of the throughput)
-    result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s_per_process")))
+    result.metrics.update(sysmon.summary(result.system, result.metrics.get("imgs_per_s_per_process"),
+                                         result.system_samples))
     result.metrics["env_fingerprint"] = results.fingerprint(info)
     model = None
     if result.weights is not None:  # with what rebuilds the module: ampbench's models.build, or the user's factory

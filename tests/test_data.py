@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import os
 import re
 import threading
 from pathlib import Path
@@ -294,3 +295,38 @@ def test_device_batches_resize_for_a_larger_model_input():
                            out_size=64)
     out, _ = next(b.epoch(0))
     assert out.shape == (8, 3, 64, 64) and out.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_an_archive_is_extracted_with_the_data_filter_and_unpickled_admitting_only_what_a_batch_holds(tmp_path):
+    """A mirror's or a local archive is trusted no further than its checksum (which the user may give): a member
+    outside the folder stops the extraction, and a batch whose pickle would call anything but numpy's array
+    constructors is refused unread."""
+    import io
+    import pickle
+    import tarfile
+
+    from ampbench.data import cifar
+    from ampbench.errors import DataError
+
+    def archive(name: str, members: dict[str, bytes]) -> Path:
+        path = tmp_path / name
+        with tarfile.open(path, "w:gz") as tar:
+            for member, blob in members.items():
+                info = tarfile.TarInfo(member)
+                info.size = len(blob)
+                tar.addfile(info, io.BytesIO(blob))
+        return path
+
+    with pytest.raises(DataError, match=r"archive .*outside.tar.gz is refused: .*'../../escaped'.* official"):
+        cifar.read_archive("cifar10", archive("outside.tar.gz", {"../../escaped": b"x"}), tmp_path / "w1")
+    assert not (tmp_path / "escaped").exists()
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+    batch = pickle.dumps({b"data": Payload(), b"labels": [0]}, protocol=2)
+    members = {f"cifar-10-batches-py/{n}": batch for n in [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]}
+    with pytest.raises(DataError, match=r"data_batch_1 is not a CIFAR batch \(it holds posix.system, which no CIFAR "
+                                        r"batch does\); refused unread"):
+        cifar.read_archive("cifar10", archive("payload.tar.gz", members), tmp_path / "w2")
+    assert not (tmp_path / "ran").exists()

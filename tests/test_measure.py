@@ -247,3 +247,36 @@ def test_the_sampler_asks_nvml_for_the_training_gpu_by_uuid_and_survives_a_missi
     s = sysmon.summary(mon.rows, imgs_per_s=3060.0)
     assert s["gpu_power_w_median"] == 612.0 and s["energy_per_image_j"] == pytest.approx(0.2)
     assert s["gpu_sm_clock_mhz_median"] == 1980
+
+
+def test_a_24_hour_run_keeps_a_bounded_system_table_and_summarizes_every_sample():
+    """Two samples a second for 24 hours: 172,800 samples. system.csv (and MLflow's points) keep at most
+    MAX_ROWS rows spread over the whole run; the clock's spread, the median power and the energy per image are
+    computed over every sample, as they would be with every row kept."""
+    import math
+    import tracemalloc
+
+    from ampbench.measure import sysmon
+    n = 24 * 3600 * 2
+    mon = sysmon.SystemMonitor(interval_s=0.5)
+    every = []
+
+    def sample(i):
+        busy = i % 10 != 0  # an evaluation every tenth sample: the GPU idles, its clock drops
+        return {"t_s": i / 2, "process_cpu_percent": 100.0, "process_rss_bytes": 2**30,
+                "system_memory_percent": 40.0, "gpu_util_percent": 95 if busy else 3,
+                "gpu_memory_used_bytes": 2**33, "gpu_sm_clock_mhz": 1900 + i % 97 if busy else 600,
+                "gpu_temperature_c": 60 + i % 7, "gpu_power_w": 400.0 + (i % 13) * 10 if busy else 90.0,
+                "gpu_unavailable": None}
+    tracemalloc.start()
+    for i in range(n):
+        mon.add(sample(i))
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    assert sysmon.MAX_ROWS // 2 <= len(mon.rows) < sysmon.MAX_ROWS
+    assert mon.rows[0]["t_s"] == 0 and mon.rows[-1]["t_s"] > 0.99 * n / 2  # the whole run, evenly
+    assert held < 16 * 2**20  # the rows and 8 bytes a sample of 4 readings: 5.8 MiB (every row kept: 58 MiB)
+    every = [sample(i) for i in range(n)]
+    full = sysmon.summary(every, 3000.0)
+    assert sysmon.summary(mon.rows, 3000.0, mon.samples) == full
+    assert full["gpu_sm_clock_mhz_p10_p90"][0] > 1900 and not math.isnan(full["energy_per_image_j"])

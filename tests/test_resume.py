@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -79,18 +80,21 @@ def test_sigkill_mid_run_resumes_to_the_same_result(setup, reference):
     assert _history(setup, "kill") == reference
 
 
-def test_ctrl_c_stops_at_a_step_boundary_and_resumes(setup, reference):
-    cmd = _cmd(setup, _plan(setup, "int"), "int")
-    proc = _start_and_wait_for_checkpoint(setup, cmd, "int")
-    time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C; Slurm, docker stop, Kubernetes
+def test_a_stop_signal_stops_at_a_step_boundary_and_resumes(setup, reference, sig):
+    name = f"stop{int(sig)}"
+    cmd = _cmd(setup, _plan(setup, name), name)
+    proc = _start_and_wait_for_checkpoint(setup, cmd, name)
+    time.sleep(random.Random(int(sig)).uniform(0.0, 0.3))  # at some step of the second epoch
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err[-2000:]
     assert "interrupted at epoch" in err and "run `dvc repro` to resume" in err and "Traceback" not in err
+    assert ("Ctrl-C" if sig == signal.SIGINT else "SIGTERM") + ": stopping after this step" in out
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resuming from the checkpoint" in again.stdout
-    assert _history(setup, "int") == reference
+    assert _history(setup, name) == reference
 
 
 def test_checkpoint_from_other_params_is_discarded(setup):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ampbench import results
 from ampbench.config import DataConfig
 from ampbench.data import cifar, folder
 from ampbench.data import synthetic as synthetic_source
@@ -125,6 +126,7 @@ def _write(out_dir: Path, meta: dict, files: dict) -> dict:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
+        tmp.chmod(results.plain_mode(folder=True))  # mkdtemp's 0700 would hide the set from a team's other users
         tmp.rename(out_dir)
     finally:
         if tmp.exists():

@@ -1,6 +1,11 @@
 """CIFAR-10 and CIFAR-100, a data source: fetch and verify the official archive (torchvision's downloader, the
 archives' URLs and MD5s below), read its pickled batches.
 
+An archive from a mirror or a local file is not trusted further than its checksum: it is extracted with tarfile's
+``data`` filter (no member outside the folder, no link out of it, no device files) and its batches are unpickled
+admitting only what CIFAR's batches hold (dicts, lists, bytes and numpy arrays), never a class or a function that
+running the pickle would call.
+
     describe(cfg) -> classes, image side, counts       read(cfg, seed, raw_dir) -> splits, origin, classes
 """
 
@@ -8,6 +13,7 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import tarfile
 import tempfile
 import urllib.error
 from dataclasses import dataclass
@@ -119,6 +125,45 @@ def fetch(cfg: DataConfig, raw_dir: Path) -> Path:
                     f"({last_error}); check the URL or the network, or set data.archive to a local {fmt.archive}")
 
 
+# what unpickling a CIFAR batch may construct: numpy's arrays (Python 2's cPickle and numpy 1 or 2 name them so),
+# and bytes as Python 3 writes them at protocol 2 (codecs.encode of a latin-1 string)
+_BATCH_GLOBALS = {("_codecs", "encode"), ("numpy.core.multiarray", "_reconstruct"),
+                  ("numpy._core.multiarray", "_reconstruct"),
+                  ("numpy", "ndarray"), ("numpy", "dtype"), ("numpy.core.multiarray", "scalar"),
+                  ("numpy._core.multiarray", "scalar")}
+
+
+class _BatchUnpickler(pickle.Unpickler):
+    """An unpickler that admits CIFAR's batches and refuses anything else a pickle could run."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _BATCH_GLOBALS:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it holds {module}.{name}, which no CIFAR batch does")
+
+
+def _unpickle(path: Path, fmt: CifarFormat):
+    try:
+        with open(path, "rb") as f:
+            return _BatchUnpickler(f, encoding="bytes").load()
+    except pickle.UnpicklingError as err:
+        raise DataError(f"the {fmt.label} archive's {path.name} is not a CIFAR batch ({err}); refused unread: use "
+                        f"the official {fmt.archive}") from None
+
+
+def _extract(archive: Path, dest: str, fmt: CifarFormat) -> None:
+    """Extract with tarfile's ``data`` filter: a member outside ``dest``, a link out of it or a device file stops."""
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(dest, filter="data")
+    except tarfile.FilterError as err:
+        raise DataError(f"the {fmt.label} archive {archive} is refused: {err}; use the official {fmt.archive}") \
+            from None
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise DataError(f"the {fmt.label} archive {archive} cannot be extracted ({type(err).__name__}: {err}); it is "
+                        f"not {fmt.archive}") from None
+
+
 def _read_batches(fmt: CifarFormat, folder: Path, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     images, labels = [], []
     key = fmt.labels_key.encode()
@@ -126,8 +171,7 @@ def _read_batches(fmt: CifarFormat, folder: Path, names: tuple[str, ...]) -> tup
         path = folder / name
         if not path.is_file():
             raise DataError(f"the {fmt.label} archive has no {fmt.folder}/{name}; it is not {fmt.archive}")
-        with open(path, "rb") as f:
-            batch = pickle.load(f, encoding="bytes")
+        batch = _unpickle(path, fmt)
         data = batch[b"data"] if b"data" in batch else batch["data"]
         labs = batch[key] if key in batch else batch[fmt.labels_key]
         images.append(torch.as_tensor(data, dtype=torch.uint8).reshape(-1, *IMAGE_SHAPE))
@@ -140,7 +184,6 @@ def read_archive(source: str, archive: Path, workdir: Path) -> dict[str, tuple[t
     fmt = FORMATS[source]
     workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        from torchvision.datasets.utils import extract_archive
-        extract_archive(str(archive), tmp)
+        _extract(archive, tmp, fmt)
         folder = Path(tmp) / fmt.folder
         return {"train": _read_batches(fmt, folder, fmt.train), "test": _read_batches(fmt, folder, fmt.test)}

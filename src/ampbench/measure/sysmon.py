@@ -14,10 +14,12 @@ left empty, and ``gpu_unavailable`` names it, instead of stopping the sampler.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import threading
 import time
+from array import array
 
 import psutil
 
@@ -74,17 +76,27 @@ def gpu_readings(nvml, handle) -> dict:
     return row
 
 
-def summary(rows: list[dict], imgs_per_s: float | None) -> dict:
-    """Median SM clock, temperature and power over the samples, and the energy per image they imply."""
+MAX_ROWS = 2048  # system.csv's rows (and MLflow's points per metric), however long the run: every other one is
+# dropped each time they reach it, so a 24-hour run at 2 samples a second keeps one row every 128 samples
+SUMMARIZED = ("gpu_sm_clock_mhz", "gpu_util_percent", "gpu_temperature_c", "gpu_power_w")  # kept for every sample
+
+
+def summary(rows: list[dict], imgs_per_s: float | None, samples: dict | None = None) -> dict:
+    """Median SM clock, temperature and power over the samples, and the energy per image they imply: over every
+    sample taken when ``samples`` (``SystemMonitor.samples``, one value per sample, NaN where none was read)
+    is given, else over ``rows``."""
+    if samples is None:
+        samples = {k: [float(r[k]) if r.get(k) not in (None, "") else math.nan for r in rows] for k in SUMMARIZED}
+
     def median(key):
-        values = [float(r[key]) for r in rows if r.get(key) not in (None, "")]
+        values = [v for v in samples.get(key, ()) if not math.isnan(v)]
         return statistics.median(values) if values else None
 
     power = median("gpu_power_w")
     # the clock while the GPU worked (an idle GPU clocks down: the stage's start and its evaluations would read as
     # a moving clock): the steadiness guard's third measure
-    busy = [float(r["gpu_sm_clock_mhz"]) for r in rows if r.get("gpu_sm_clock_mhz") not in (None, "")
-            and float(r.get("gpu_util_percent") or 0) >= BUSY_PERCENT]
+    busy = [c for c, u in zip(samples.get("gpu_sm_clock_mhz", ()), samples.get("gpu_util_percent", ()), strict=True)
+            if not math.isnan(c) and not math.isnan(u) and u >= BUSY_PERCENT]
     deciles = statistics.quantiles(busy, n=10, method="inclusive") if len(busy) >= 2 else None  # within the data
     return {"gpu_sm_clock_mhz_median": median("gpu_sm_clock_mhz"),
             "gpu_sm_clock_mhz_p10_p90": [deciles[0], deciles[-1]] if deciles else None,
@@ -93,10 +105,13 @@ def summary(rows: list[dict], imgs_per_s: float | None) -> dict:
 
 
 class SystemMonitor:
-    """``with SystemMonitor(interval_s, gpu_uuid) as mon: ...``; then ``mon.rows``."""
+    """``with SystemMonitor(interval_s, gpu_uuid) as mon: ...``; then ``mon.rows`` (at most ``MAX_ROWS``, spread
+    over the whole run) and ``mon.samples`` (the summarized readings of every sample, 8 bytes each)."""
 
     def __init__(self, interval_s: float = 0.5, gpu_uuid: str | None = None):
         self.interval_s, self.gpu_uuid, self.rows = interval_s, gpu_uuid, []
+        self.samples = {k: array("d") for k in SUMMARIZED}
+        self._taken, self._every = 0, 1  # samples so far; one row kept every this many
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ampbench-sysmon", daemon=True)
 
@@ -113,7 +128,19 @@ class SystemMonitor:
                    "process_rss_bytes": proc.memory_info().rss,
                    "system_memory_percent": psutil.virtual_memory().percent}
             row.update(gpu_readings(nvml, handle) if handle is not None else no_gpu)
+            self.add(row)
+
+    def add(self, row: dict) -> None:
+        """One sample: its summarized readings always, the row itself when it falls on the kept rows' stride."""
+        for k, values in self.samples.items():
+            v = row.get(k)
+            values.append(math.nan if v is None else float(v))
+        if self._taken % self._every == 0:
             self.rows.append(row)
+            if len(self.rows) >= MAX_ROWS:  # every other row goes, and from now on one in twice as many is kept
+                self.rows = self.rows[::2]
+                self._every *= 2
+        self._taken += 1
 
     def __enter__(self) -> SystemMonitor:
         self._thread.start()

@@ -25,6 +25,7 @@ import os
 import re
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,18 +42,66 @@ SWEEP_COLUMNS = ["variant", "batch_size", "imgs_per_s", "imgs_per_s_p10", "imgs_
                  "peak_reserved_bytes", "activation_bytes", "achieved_tflops", "oom"]
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename."""
+def plain_mode(folder: bool = False) -> int:
+    """The mode a plain ``open`` (or ``mkdir``) gives under this process's umask: what a team's other users read
+    (mkstemp's own 0600, and mkdtemp's 0700, would hide the file from them)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return (0o777 if folder else 0o666) & ~umask
+
+
+def fsync_folder(folder: Path) -> None:
+    """Flush a folder's entries (a rename into it) to disk, where the system allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # a file system that cannot sync a folder: the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def durable(path: Path, prefix: str = "", suffix: str = ""):
+    """Yield a temporary file's path beside ``path`` to write; then flush it to disk, give it the plain mode, rename
+    it onto ``path`` and flush the folder's entry: after a power loss ``path`` is the old file or the new one, whole.
+    A crash leaves at most the temporary (``prefix``, by default ``.<name>.``), which ``remove_temporaries``
+    clears at the next start; a failure removes it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        yield Path(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, plain_mode())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    fsync_folder(path.parent)
+
+
+def remove_temporaries(folder: Path, prefixes: tuple[str, ...]) -> list[str]:
+    """Delete the temporaries a crash left in ``folder`` (files whose names start with one of ``prefixes``); their
+    names."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    gone = [f for f in folder.iterdir() if f.is_file() and f.name.startswith(prefixes)]
+    for f in gone:
+        f.unlink(missing_ok=True)
+    return sorted(f.name for f in gone)
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` durably (``durable``)."""
+    with durable(path) as tmp:
+        tmp.write_text(text)
 
 
 def write_json(path: Path, obj) -> None:
@@ -112,13 +161,11 @@ def write_run(out_dir: Path, metrics: Metrics, tables: dict[str, list[dict]], st
     if unknown:
         raise ValueError(f"no run table is called {sorted(unknown)}; add it to results.TABLES")
     out_dir = Path(out_dir)
+    remove_temporaries(out_dir, RUN_TEMPORARIES)
     if model is not None:
         import torch
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".model.", suffix=".pt", dir=out_dir)
-        os.close(fd)
-        torch.save(model, tmp)
-        os.replace(tmp, out_dir / MODEL)
+        with durable(out_dir / MODEL, prefix=".model.", suffix=".pt") as tmp:
+            torch.save(model, tmp)
     atomic_write(out_dir / TRACE, trace or '{"traceEvents": []}\n')  # an empty trace when profiling is off
     for key, table in TABLES.items():
         rows = list(tables.get(key) or ())
@@ -126,6 +173,11 @@ def write_run(out_dir: Path, metrics: Metrics, tables: dict[str, list[dict]], st
         atomic_write(out_dir / table.file, csv_text(rows, list(columns)))
     write_json(out_dir / STEP_TIMES, [round(t, 4) for t in step_times_ms])
     write_json(out_dir / METRICS, _clean(metrics))  # last: its presence means the run is complete
+
+
+# the temporaries a crash mid-write can leave in a run folder (``durable``'s names for its files)
+RUN_TEMPORARIES = (".model.", *(f".{name}." for name in (METRICS, STEP_TIMES, TRACE,
+                                                         *(t.file for t in TABLES.values()))))
 
 
 def read_run(run_dir: Path) -> dict:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
+
+from ampbench import results
 
 CHECKPOINT = "last.pt"
 FORMAT = 4  # the layout of the saved state (4: gradient norms); a checkpoint of another layout is not resumed
@@ -27,18 +27,14 @@ def fingerprint(plan_dict: dict, data_meta: dict) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+TEMPORARY = ".last."  # a checkpoint being written: what a crash mid-save leaves
+
+
 def save(folder: Path, state: dict) -> Path:
-    """Write ``state`` to ``folder/last.pt`` through a temporary file and a rename."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".last.", suffix=".pt", dir=folder)
-    os.close(fd)
-    try:
+    """Write ``state`` to ``folder/last.pt`` durably: a temporary file, flushed to disk, renamed."""
+    with results.durable(Path(folder) / CHECKPOINT, prefix=TEMPORARY, suffix=".pt") as tmp:
         torch.save(state, tmp)
-        os.replace(tmp, folder / CHECKPOINT)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return folder / CHECKPOINT
+    return Path(folder) / CHECKPOINT
 
 
 def load(folder: Path | None, expected_fingerprint: str, discard: bool = True) -> dict | None:
@@ -48,6 +44,8 @@ def load(folder: Path | None, expected_fingerprint: str, discard: bool = True) -
     """
     if folder is None:
         return None
+    if discard:  # a save a crash cut short: never resumed from, never left behind
+        results.remove_temporaries(Path(folder), (TEMPORARY,))
     path = Path(folder) / CHECKPOINT
     if not path.is_file():
         return None

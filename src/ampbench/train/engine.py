@@ -127,7 +127,8 @@ class Trainer:
         self.history: list[dict] = []
         self.best_acc = 0.0
         self.clock = clock.StepClock(device, plan.train.warmup_steps)  # checkpointed, but for its warm-up count
-        self.stop_requested = False  # Ctrl-C seen by this process
+        self.stop_requested = False  # Ctrl-C or SIGTERM seen by this process
+        self.stop_signal = 0  # which
         self.stop_agreed = False     # under DDP: Ctrl-C seen by some rank, as of the last sync
         self.t_start = time.perf_counter()
 

@@ -25,7 +25,8 @@ class RunResult:
     step_times_ms: list[float] = field(default_factory=list)  # timed (post-warm-up) steps, end to end
     step_rates: list[float] = field(default_factory=list)     # the same steps' images per second
     numerics: list[dict] = field(default_factory=list)  # the fp16 audit, one row per layer
-    system: list[dict] = field(default_factory=list)    # CPU/memory/GPU samples taken while training
+    system: list[dict] = field(default_factory=list)    # CPU/memory/GPU samples taken while training (bounded)
+    system_samples: dict | None = None  # the summarized GPU readings of every sample (sysmon.SystemMonitor.samples)
     profile_trace: str = ""                             # torch.profiler's Chrome trace of the profiled steps
     weights: dict | None = None  # the trained model's state dict (on the CPU), taken before the audit and profile
     extra: dict[str, list[dict]] = field(default_factory=dict)  # further tables of results.TABLES, by key

@@ -28,17 +28,26 @@ from ampbench.train.metrics import RunResult, run_result
 
 
 class TrainingInterrupted(AmpbenchError):
-    """Ctrl-C: the run stopped at a step boundary with a checkpoint saved."""
+    """Ctrl-C or SIGTERM: the run stopped at a step boundary with a checkpoint saved; exit code 128 + the signal."""
 
-    exit_code = 130
+    exit_code = 128 + signal.SIGINT
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.exit_code = 128 + int(signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # Ctrl-C; a scheduler's stop (Slurm, docker stop, Kubernetes)
 
 
 @contextmanager
-def stop_on_sigint(trainer: Trainer):
-    """First Ctrl-C: finish the current step, then stop; a second one interrupts at once.
+def stop_on_signal(trainer: Trainer):
+    """The first Ctrl-C or SIGTERM: finish the current step, then stop with a checkpoint; a second interrupts at once.
 
-    Under torchrun, which passes Ctrl-C on to every rank (and kills them after its 30 s grace), the ranks stop
-    after the same step: the next one at which they sync the loss (every 25 steps, and at the epoch's end).
+    SIGTERM is how Slurm at a time limit, ``docker stop``, Kubernetes and systemd stop a job, with a grace period
+    before SIGKILL: it stops as Ctrl-C does. Under torchrun, which passes the signal on to every rank (and kills
+    them after its grace), the ranks stop after the same step: the next one at which they sync the loss (every 25
+    steps, and at the epoch's end).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -48,15 +57,18 @@ def stop_on_sigint(trainer: Trainer):
         if trainer.stop_requested:
             raise KeyboardInterrupt
         trainer.stop_requested = True
+        trainer.stop_signal = signum
         if trainer.world.main:
             when = "at the ranks' next sync (at most 25 steps)" if trainer.world.active else "after this step"
-            tqdm.write(f"Ctrl-C: stopping {when} and saving a checkpoint (press again to abort)")
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            tqdm.write(f"{name}: stopping {when} and saving a checkpoint (again to abort)")
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: Path | None = None,
@@ -79,7 +91,7 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
             print(f"[{plan.variant}] resuming from the checkpoint at epoch {trainer.epoch + 1}, "
                   f"step {trainer.step_in_epoch} of {trainer.steps_per_epoch}", flush=True)
     try:
-        with stop_on_sigint(trainer), torch.autograd.set_detect_anomaly(plan.debug.detect_anomaly):
+        with stop_on_signal(trainer), torch.autograd.set_detect_anomaly(plan.debug.detect_anomaly):
             while trainer.epoch < plan.train.epochs:
                 trainer.run_epoch()
                 if checkpoint_dir is not None:
@@ -90,7 +102,8 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
                     where = f"epoch {trainer.epoch + 1}, step {trainer.step_in_epoch}"
                     saved = f"checkpoint saved in {checkpoint_dir}; run `dvc repro` to resume" if checkpoint_dir \
                         else "no checkpoint folder was given, so the run cannot resume"
-                    raise TrainingInterrupted(f"[{plan.variant}] interrupted at {where}: {saved}")
+                    raise TrainingInterrupted(f"[{plan.variant}] interrupted at {where}: {saved}",
+                                              getattr(trainer, "stop_signal", signal.SIGINT))
     except NonFiniteTraining as err:
         err.result = run_result(trainer)  # completed epochs, for the stage to keep on disk
         err.result.metrics.update(status="stopped: non-finite loss", diagnosis=trainer.diagnosis)
