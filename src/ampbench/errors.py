@@ -32,6 +32,11 @@ class AmpbenchError(Exception):
     exit_code = 1
 
 
+class NotTheAnalysis(Exception):  # noqa: N818  a reason, not an error of the analysis
+    """What an analysis needed went away under it (the tracking server, mid-call): not the analysis's failure, so
+    ``analysis`` passes it on to its caller, which has failed with it."""
+
+
 class ConfigError(AmpbenchError):
     """params.yaml asks for something invalid: exit code 2."""
 
@@ -108,7 +113,7 @@ def analysis(name: str, model: str, fn: Callable, *args, **kwargs) -> tuple[obje
         if name in asked or "all" in asked:
             raise RuntimeError(f"failed on purpose ({FAIL_ON_PURPOSE}={os.environ[FAIL_ON_PURPOSE]})")
         return fn(*args, **kwargs), None
-    except (ConfigError, EnvironmentMismatch):
+    except (ConfigError, EnvironmentMismatch, NotTheAnalysis):
         raise
     except Exception as err:  # an analysis's own failure, whatever it is: the stage goes on
         why = first_line(err)

@@ -206,8 +206,8 @@ def read_runs(runs_dir: Path) -> dict[str, dict]:
 def fingerprint(info: dict) -> str:
     """A short, stable name for the environment, used as an MLflow tag."""
     gpu = info.get("gpu")
-    where = f"{gpu['name']} sm{gpu['capability']}" if gpu else f"CPU {info['cpu_model']}"
-    return f"{where} | torch {info['torch']} | CUDA {info['cuda_runtime']}"
+    where = f"{gpu['name']} sm{gpu['capability']}" if gpu else f"CPU {info.get('cpu_model', 'unknown')}"
+    return f"{where} | torch {info.get('torch', 'unknown')} | CUDA {info.get('cuda_runtime')}"
 
 
 def git_commit(where: Path | None = None) -> str:

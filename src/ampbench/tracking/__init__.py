@@ -6,6 +6,14 @@ params.yaml, else ``sqlite:///<repo>/mlflow.db`` with artifacts in
 disk, and a failure to log is a warning, never a lost run: ``ampbench
 mlflow-sync`` logs the on-disk runs later. Each run carries a key (a hash of its
 metrics file), so logging the same results twice adds nothing.
+
+A run is marked with its key only once it is whole: it is created with the key as pending, filled in, given the
+key, then terminated with its status. A run found with the key pending, or with the key but not the status it
+was to end with (a failure mid-logging, a server that went down), is partial: the next log of the same results
+(``ampbench mlflow-sync``) deletes it, and its LoggedModel, and logs the run anew. Two writers of the same results
+(a sync while the stage logs) keep the first complete run and delete the other. A transient failure (a
+connection refused or reset, HTTP 408, 429, 5xx) is retried by MLflow's own retry, a few times with backoff
+(seconds in all, not minutes); a permanent one (401, 403, 404, a bad URI) is not.
 """
 
 from __future__ import annotations
@@ -19,8 +27,11 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-# Fail fast against an unreachable server instead of minutes of retries (set before mlflow is imported).
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+# A transient failure retried 3 times, after 0, 2 and 4 seconds (and up to half a second of jitter): an unreachable
+# server costs seconds, not MLflow's default 7 retries over minutes (set before mlflow is imported).
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, Metric, Param  # noqa: E402
@@ -28,10 +39,11 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from ampbench import results  # noqa: E402
 from ampbench.config import MlflowConfig, flatten, project_root, redact_text, tracking_uri  # noqa: E402
-from ampbench.errors import analysis  # noqa: E402
+from ampbench.errors import NotTheAnalysis, analysis, first_line  # noqa: E402
 from ampbench.results import fingerprint, git_commit  # noqa: E402
 
-KEY_TAG = "ampbench.run_key"
+KEY_TAG = "ampbench.run_key"  # set last: the run is whole
+PENDING_TAG = "ampbench.run_key_pending"  # set first: the run is being logged
 # MLflow 3's UI reads this experiment tag to know what kind of experiment it shows; without it the UI asks, and
 # leans to the GenAI (traces) view. Training runs are "custom model development": the runs table and charts.
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
@@ -108,18 +120,20 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     uri = tracking_uri(cfg, repo_root)
     client = MlflowClient(uri)
     exp_id = _experiment_id(client, cfg, uri, repo_root)
-    found = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=1)
-    if found:
-        return found[0].info.run_id, False
-    tags = {**{k: str(v) for k, v in tags.items() if v is not None}, KEY_TAG: key}
+    whole = complete_run(client, exp_id, key, status)
+    if whole is not None:
+        return whole, False
+    for partial in _runs_of(client, exp_id, key):  # a failure mid-logging left these: they are replaced
+        _delete(client, exp_id, partial.info.run_id)
+    tags = {**{k: str(v) for k, v in tags.items() if v is not None}, PENDING_TAG: key}
     rid = client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id
     try:
         if inputs:
             client.log_inputs(rid, datasets=list(inputs))
         model_id = None
         if model:  # an analysis: a model that cannot be logged leaves the run logged without it, and says why
-            model_id, why = analysis("logged_model", run_name, _log_model, client, uri, exp_id, rid, run_name,
-                                     model, tags)
+            model_id, why = analysis("logged_model", run_name, _store_failures_pass, _log_model, client, uri,
+                                     exp_id, rid, run_name, model, tags)
             if why:
                 client.set_tag(rid, "ampbench.logged_model", f"not logged: {why}; the weights are in {model}")
         flat_params = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
@@ -143,11 +157,73 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
         if model_id:
             client.log_outputs(rid, [LoggedModelOutput(model_id, 0)])
             client.finalize_logged_model(model_id, "READY")
+        client.set_tag(rid, KEY_TAG, key)  # whole: from here on it counts as logged
         client.set_terminated(rid, status, end_time=end_ms)
     except BaseException:
-        client.set_terminated(rid, "FAILED")
+        with contextlib.suppress(Exception):  # the server may be what failed: the run stays partial either way
+            client.set_terminated(rid, "FAILED")
         raise
+    kept = complete_run(client, exp_id, key, status)  # another writer of the same results may have finished too
+    if kept != rid:
+        _delete(client, exp_id, rid)
+        return kept, False
     return rid, True
+
+
+def transient(err: BaseException) -> bool:
+    """Whether ``err`` is the tracking store's, and may pass (a connection refused or reset, a time-out, HTTP 408,
+    429 or 5xx after MLflow's retries), rather than a permanent refusal (401, 403, 404) or the caller's own."""
+    import requests
+    from mlflow.exceptions import MlflowException
+    if isinstance(err, ConnectionError | TimeoutError | requests.exceptions.RequestException):
+        return True
+    if isinstance(err, MlflowException):
+        code = err.get_http_status_code()
+        return code >= 500 or code in (408, 429)
+    return False
+
+
+def _store_failures_pass(fn, *args):
+    """``fn(*args)``, its failure an analysis's own unless the store failed under it: then the run being logged
+    is not whole, and stays partial for the replay to complete."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        if transient(err):
+            raise NotTheAnalysis(first_line(err)) from err
+        raise
+
+
+def _runs_of(client: MlflowClient, exp_id: str, key: str) -> list:
+    """Every run of ``key``, whole or partial, in any status."""
+    found = {}
+    for tag in (KEY_TAG, PENDING_TAG):
+        for run in client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{key}'", max_results=100):
+            found[run.info.run_id] = run
+    return list(found.values())
+
+
+def complete_run(client: MlflowClient, exp_id: str, key: str, status: str | None = None) -> str | None:
+    """The id of the whole run of ``key``: its key set (last) and its status the one it was to end with
+    (``status``; FINISHED or FAILED as the stage said, when not given); of several (two writers), the first
+    made. None when there is none."""
+    runs = [r for r in client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=100)
+            if r.info.status == status or (status is None and r.info.status in ("FINISHED", "FAILED"))]
+    if not runs:
+        return None
+    first = min(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))
+    for other in runs:
+        if other.info.run_id != first.info.run_id:
+            _delete(client, exp_id, other.info.run_id)
+    return first.info.run_id
+
+
+def _delete(client: MlflowClient, exp_id: str, rid: str) -> None:
+    """Delete a partial or duplicate run, and the LoggedModel it made."""
+    with contextlib.suppress(Exception):  # a store without LoggedModels
+        for m in client.search_logged_models([exp_id], filter_string=f"source_run_id = '{rid}'"):
+            client.delete_logged_model(m.model_id)
+    client.delete_run(rid)
 
 
 JOBS_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
@@ -334,7 +410,9 @@ def sync(cfg: MlflowConfig, repo_root: Path, runs_dir: Path, plans_dir: Path, en
     env_info = json.loads(Path(env_path).read_text()) if Path(env_path).is_file() else {}
     pipeline = pipeline_id(plans_dir, env_path)
     failed = 0
-    for name in results.read_runs(runs_dir):
+    names = sorted(d.name for d in Path(runs_dir).iterdir() if (d / results.METRICS).is_file()) \
+        if Path(runs_dir).is_dir() else []
+    for name in names:  # each read where it is logged: an unreadable one is a warning naming it, and the sync goes on
         plan_file = Path(plans_dir) / f"{name}.json"
         plan = json.loads(plan_file.read_text()) if plan_file.is_file() else {}
         failed += safely(f"train@{name}", log_variant, cfg, repo_root, Path(runs_dir) / name, plan, env_info,

@@ -26,7 +26,7 @@ from mlflow.tracking import MlflowClient
 from ampbench import results
 from ampbench.config import MlflowConfig, tracking_uri
 from ampbench.measure.stats import mean_std, t975
-from ampbench.tracking import KEY_TAG, _experiment_id, _metric_value, file_key
+from ampbench.tracking import _experiment_id, _metric_value, complete_run, file_key
 
 # The report's ratios, logged onto each variant's training run. MLflow gives a client no say in the order of
 # columns or chart sections: its UI sorts metric names by character code, so an upper-case section comes before
@@ -62,15 +62,14 @@ def log_comparison(cfg: MlflowConfig, repo_root: Path, summary_json: Path, runs_
         metrics_file = Path(runs_dir) / name / results.METRICS
         if not metrics_file.is_file():
             continue
-        found = client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{file_key(metrics_file)}'",
-                                   max_results=1)
+        rid = complete_run(client, exp_id, file_key(metrics_file))  # a partial run gets none: the sync redoes it
         wanted = comparison_metrics(row)
-        if not found or not wanted:
+        if rid is None or not wanted:
             continue
-        have = found[0].data.metrics
+        have = client.get_run(rid).data.metrics
         new = [Metric(k, v, now, 0) for k, v in wanted.items() if have.get(k) != v]
         if new:
-            client.log_batch(found[0].info.run_id, metrics=new)
+            client.log_batch(rid, metrics=new)
             done.append(name)
     return (", ".join(done) or "nothing new"), bool(done)
 SPEEDUP, LO, HI = COMPARE["speedup"], COMPARE["speedup_ci95"] + "_lo", COMPARE["speedup_ci95"] + "_hi"
