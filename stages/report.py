@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from ampbench import config, report
+from ampbench import config, report, results
 from ampbench.errors import run_cli
 
 
@@ -53,6 +53,9 @@ def main() -> None:
                         pipeline, (started, built))
         tracking.safely("the ratios on the training runs", tracking.log_comparison, cfg.mlflow, Path.cwd(),
                         summary_path, Path(args.runs))
+        waiting = results.pending_line(config.project_root(Path.cwd()))
+        if waiting:
+            print(f"warning: {waiting}", flush=True)
 
 
 if __name__ == "__main__":

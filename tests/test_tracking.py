@@ -330,3 +330,23 @@ def test_the_sync_goes_on_past_an_unreadable_run_folder_and_names_it(logged_run_
     out = capsys.readouterr().out
     assert failed == 1 and "MLflow logging of train@broken failed (JSONDecodeError" in out
     assert "MLflow: logged train@fp32" in out
+
+
+def test_a_failed_log_leaves_a_visible_marker_that_a_successful_one_clears(tmp_path, monkeypatch, capsys):
+    """Pending work is visible outside every stage's DVC dependencies: env_check and the report stage say what
+    is on disk but not in MLflow until `ampbench mlflow-sync` logs it."""
+    from ampbench.env import check
+    monkeypatch.chdir(tmp_path)
+
+    def down(cfg, root, *args):
+        raise ConnectionError("connection refused")
+    assert tracking.safely("train@fp32", down, config.MlflowConfig(), tmp_path) is None
+    tracking.safely("report", down, config.MlflowConfig(), tmp_path)
+    line = results.pending_line(tmp_path)
+    assert line == ("2 result(s) are on disk but not in MLflow (report, train@fp32): log them with "
+                    "`ampbench mlflow-sync`")
+    assert line in check.tracking_warnings(config.from_dict({"mlflow": {"tracking_uri": "sqlite:///x.db"}}))
+    assert not (tmp_path / "reports").exists()  # the markers are under .ampbench/, which no stage depends on
+    assert tracking.safely("train@fp32", lambda cfg, root: ("r1", True), config.MlflowConfig(), tmp_path) == "r1"
+    assert results.pending_line(tmp_path).startswith("1 result(s) are on disk but not in MLflow (report)")
+    assert "MLflow: logged train@fp32 (run r1)" in capsys.readouterr().out

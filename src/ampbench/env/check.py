@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ampbench import config, data, models, precision, runplan
+from ampbench import config, data, models, precision, results, runplan
 from ampbench.config import optim
 from ampbench.data import stream
 from ampbench.env import machine, placement, services
@@ -137,7 +137,8 @@ def tracking_warnings(cfg: config.Config) -> list[str]:
     """What to say of the MLflow tracking store before training logs to it (it is never a reason to stop)."""
     if not cfg.mlflow.enabled:
         return []
-    out = []
+    waiting = results.pending_line(config.project_root(Path.cwd()))
+    out = [waiting] if waiting else []
     uri = config.tracking_uri(cfg.mlflow, Path.cwd())
     if uri.split(":", 1)[0].split("+", 1)[0] in services.DATABASES:
         out.append(f"MLflow tracking store {config.redact(uri)} is a database this machine would write to directly "

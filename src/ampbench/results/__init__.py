@@ -180,6 +180,25 @@ RUN_TEMPORARIES = (".model.", *(f".{name}." for name in (METRICS, STEP_TIMES, TR
                                                          *(t.file for t in TABLES.values()))))
 
 
+PENDING_DIR = Path(".ampbench") / "mlflow-pending"  # logs that failed, under the repository: no stage's DVC dependency
+
+
+def pending_marker(root: Path, what: str) -> Path:
+    """The marker a failed MLflow log of ``what`` leaves in the repository ``root`` until a log succeeds."""
+    return Path(root) / PENDING_DIR / (re.sub(r"[^\w@.-]+", "-", what) + ".txt")
+
+
+def pending_line(root: Path) -> str | None:
+    """What is on disk but not in MLflow (the logs that failed, and no sync has done since), as env_check and the
+    report stage say it; None when nothing is."""
+    folder = Path(root) / PENDING_DIR
+    waiting = sorted(f.read_text().partition("\n")[0] for f in folder.glob("*.txt")) if folder.is_dir() else []
+    if not waiting:
+        return None
+    return (f"{len(waiting)} result(s) are on disk but not in MLflow ({', '.join(waiting)}): log them with "
+            "`ampbench mlflow-sync`")
+
+
 def read_run(run_dir: Path) -> dict:
     """One run: its metrics, each table of ``TABLES`` under its key (rows as dicts of strings; [] where the
     file is absent) and its step times."""

@@ -391,15 +391,21 @@ def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json
                    tags=_tags("report", "report", {}, env_info, pipeline), artifacts=[report_md, summary_json, fig_dir])
 
 
-def safely(what: str, fn, *args) -> str | None:
-    """Run a logging call; a tracking failure is a warning, since the results are already on disk."""
+def safely(what: str, fn, cfg: MlflowConfig, repo_root: Path, *args) -> str | None:
+    """Run a logging call; a tracking failure is a warning, since the results are already on disk, and leaves a
+    marker that says so (``pending``) until a log of the same results succeeds."""
+    marker = results.pending_marker(project_root(repo_root), what)
     try:
-        rid, new = fn(*args)
+        rid, new = fn(cfg, repo_root, *args)
     except Exception as err:  # any store or network failure
         first = redact_text((str(err).splitlines() or [""])[0])[:200]
         print(f"warning: MLflow logging of {what} failed ({type(err).__name__}: {first}); the results are on "
               "disk: log them later with `ampbench mlflow-sync`", flush=True)
+        with contextlib.suppress(OSError):  # a marker that cannot be written must not hide the warning
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{what}\n{type(err).__name__}: {first}\n")
         return None
+    marker.unlink(missing_ok=True)
     print(f"MLflow: {'logged' if new else 'already logged:'} {what} (run {rid})", flush=True)
     return rid
 
