@@ -8,6 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
+import _here  # noqa: F401  ampbench from this repository's src (stages/_here.py)
+
 from ampbench import config, data
 from ampbench.errors import DataError, run_cli
 

@@ -11,6 +11,8 @@ model, the data or the machine cannot run what is asked (``ampbench.env.check``)
 
 import argparse
 
+import _here  # noqa: F401  ampbench from this repository's src (stages/_here.py)
+
 from ampbench.env import check
 from ampbench.errors import run_cli
 

@@ -9,6 +9,8 @@ import json
 import time
 from pathlib import Path
 
+import _here  # noqa: F401  ampbench from this repository's src (stages/_here.py)
+
 from ampbench import config, report, results
 from ampbench.errors import run_cli
 

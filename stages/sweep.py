@@ -13,6 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
+import _here  # noqa: F401  ampbench from this repository's src (stages/_here.py)
+
 from ampbench import config
 from ampbench.errors import run_cli
 from ampbench.results import SWEEP_COLUMNS, atomic_write, csv_text, write_json

@@ -23,6 +23,8 @@ from contextlib import nullcontext
 from datetime import UTC, datetime
 from pathlib import Path
 
+import _here  # noqa: F401  ampbench from this repository's src (stages/_here.py)
+
 from ampbench import config, data, models, results, runplan
 from ampbench.errors import NonFiniteTraining, run_cli
 from ampbench.measure import sysmon
