@@ -59,6 +59,21 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable otherwise
 
 
+def load_stage(name: str):
+    """A stage script (stages/<name>.py) as a module, as its process would run it: its ``import _here`` (the
+    repository's src first on sys.path) resolved from the stages folder, which is not on this process's path."""
+    import importlib.util
+    import sys
+    if "_here" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("_here", REPO_ROOT / "stages" / "_here.py")
+        sys.modules["_here"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["_here"])
+    spec = importlib.util.spec_from_file_location(f"{name}_stage", REPO_ROOT / "stages" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def real_params() -> dict:
     """The committed params.yaml as a dict."""

@@ -4,14 +4,12 @@ key and the fix, no traceback, and reports/ and data/ byte for byte as they were
 from __future__ import annotations
 
 import copy
-import importlib.util
 import sys
 
 import pytest
 import yaml
 
 from ampbench.errors import run_cli
-from ampbench.sandbox import REPO_ROOT
 from tests.test_config import BAD, SOURCE_BAD, _set
 
 CASES = [(f"{k}={v!r}", k, v, words) for k, v, words in BAD] + [
@@ -22,10 +20,8 @@ CASES = [(f"{k}={v!r}", k, v, words) for k, v, words in BAD] + [
 
 
 def _stage():
-    spec = importlib.util.spec_from_file_location("env_check_stage", REPO_ROOT / "stages" / "env_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from tests.conftest import load_stage
+    return load_stage("env_check")
 
 
 def _snapshot(root):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
@@ -12,7 +11,6 @@ from torch import nn
 
 from ampbench import config, data, models, runplan
 from ampbench.errors import NonFiniteTraining, run_cli
-from ampbench.sandbox import REPO_ROOT
 from ampbench.train import numerics, runner, step
 
 
@@ -150,9 +148,8 @@ def test_stage_exits_3_and_keeps_completed_epochs(tiny, tmp_path, monkeypatch, c
     (tmp_path / "env.json").write_text(json.dumps({"torch": "x", "cuda_runtime": None, "gpu": None,
                                                    "cpu_model": "cpu"}))
     monkeypatch.setattr(models, "build", _poisoned_build(after=4))  # epoch 1 (4 steps) is clean
-    spec = importlib.util.spec_from_file_location("train_stage", REPO_ROOT / "stages" / "train.py")
-    stage = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(stage)
+    from tests.conftest import load_stage
+    stage = load_stage("train")
     monkeypatch.setattr(sys, "argv", ["train.py", "--plan", str(tmp_path / "amp.json"), "--data",
                                       str(tmp_path / "p"), "--env", str(tmp_path / "env.json"), "--out", str(out),
                                       "--checkpoints", str(ckpt), "--params", str(tmp_path / "params.yaml")])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -122,12 +121,13 @@ def test_the_search_for_a_rung_with_a_micro_batch_rule_tries_only_batches_it_can
 
 
 def _stage(repo, *extra, package=None):
-    """The sweep stage in ``repo``; with ``package``, running that copy of the ampbench source instead."""
-    env = {**os.environ, "PYTHONPATH": str(package)} if package else None
-    return subprocess.run([sys.executable, str(REPO_ROOT / "stages" / "sweep.py"), "--params", "params.yaml",
+    """The sweep stage in ``repo``; with ``package`` (a copy of the stages and the ampbench source), that copy's
+    stage, which runs that copy's code (stages/_here.py)."""
+    return subprocess.run([sys.executable, str((package or REPO_ROOT) / "stages" / "sweep.py"), "--params",
+                           "params.yaml",
                            "--data", "data/prepared", "--env", "reports/env.json",
                            "--model-source", "reports/model_source.json", "--out", "reports/sweep", *extra],
-                          cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+                          cwd=repo, capture_output=True, text=True, timeout=300)
 
 
 def _prepare(repo, params):
@@ -196,11 +196,11 @@ def test_the_sweep_cache_follows_the_code_and_the_model_that_ran(tmp_path, tiny_
     tiny_params["sweep"] = {"batch_sizes": [4, 8], "steps": 1, "precisions": ["fp32"], "find_max": False}
     _prepare(tmp_path, tiny_params)
 
-    def copy_with(rel: str, package: str):  # the ampbench source with one file edited
+    def copy_with(rel: str, package: str):  # the stages and the ampbench source, with one file edited
         root = tmp_path / package
-        shutil.copytree(REPO_ROOT / "src" / "ampbench", root / "ampbench",
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        with open(root / "ampbench" / rel, "a") as f:
+        for part in ("stages", "src/ampbench"):
+            shutil.copytree(REPO_ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+        with open(root / "src" / "ampbench" / rel, "a") as f:
             f.write("\n# edited\n")
         return root
 

@@ -253,7 +253,7 @@ def test_tracking_settings_are_not_in_the_plans_and_passwords_are_never_printed(
 
     def failing():
         raise ConnectionError("could not connect to postgresql://bob:hunter2@db:5432/mlflow")
-    assert tracking.safely("train@fp32", failing) is None
+    assert tracking.safely("train@fp32", lambda cfg, root: failing(), config.MlflowConfig(), tmp_path) is None
     out = capsys.readouterr().out
     assert "bob:***@db" in out and "hunter2" not in out
 

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
-from ampbench import results
 from ampbench.config import DataConfig
 from ampbench.data import cifar, folder
 from ampbench.data import synthetic as synthetic_source
@@ -126,7 +126,9 @@ def _write(out_dir: Path, meta: dict, files: dict) -> dict:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
-        tmp.chmod(results.plain_mode(folder=True))  # mkdtemp's 0700 would hide the set from a team's other users
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # a plain mkdir's mode: mkdtemp's 0700 would hide the set from a team's other users
         tmp.rename(out_dir)
     finally:
         if tmp.exists():
