@@ -323,37 +323,6 @@ def test_torch_compile_under_ddp_keeps_the_ranks_in_step_with_eager_ddp(tmp_path
         assert torch.isfinite(wi).all() and not torch.equal(wi, w0)
 
 
-def _frozen_worker(rank: int, port: int, folder: str) -> None:
-    world = _join(rank, port)
-    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn", "freeze": ["0", "2"]},
-                            "mlflow": {"enabled": False}, "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 0},
-                            "distributed": {"nproc_per_node": WORLD}})  # find_unused_parameters: false
-    trainer = Trainer(runplan.make_plan(cfg, "fp32", "cpu"), data.load_prepared(Path(folder) / "prepared", "cpu"),
-                      progress=False, world=world)
-    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    batches = trainer.train_batches.epoch(0)
-    for i in range(3):
-        trainer.step_in_epoch = trainer.global_step = i
-        trainer.optimizer_step(*next(batches))
-    end = dict(trainer.model.named_parameters())
-    out = {"frozen_same": all(torch.equal(end[n], start[n]) for n in start if n.startswith(("0.", "2."))),
-           "moved": sorted(n for n in start if not torch.equal(end[n], start[n])),
-           "unused_flag": trainer.step_model.find_unused_parameters,
-           "weights": [float(p.detach().double().sum()) for p in end.values()]}
-    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
-    distributed.shutdown()
-
-
-def test_ddp_trains_a_frozen_backbone_without_find_unused_parameters(tmp_path):
-    """Frozen parameters are not DDP's: it all-reduces the trained ones alone and waits for no gradient of a frozen
-    one, so a fine-tuned model trains on 2 ranks with find_unused_parameters off, the frozen blocks unchanged."""
-    ranks = _ranks(tmp_path, _frozen_worker)
-    assert ranks[0] == ranks[1]
-    r = ranks[0]
-    assert r["frozen_same"] and r["unused_flag"] is False
-    assert r["moved"] == ["4.0.weight", "4.1.bias", "4.1.weight", "7.bias", "7.weight"]
-
-
 def _agree_worker(rank: int, port: int, folder: str) -> None:
     from ampbench.errors import AmpbenchError
     world = _join(rank, port)

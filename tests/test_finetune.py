@@ -8,6 +8,7 @@ import pickle
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,9 @@ from ampbench.config import ModelConfig
 from ampbench.errors import ConfigError
 from ampbench.models import finetune
 from ampbench.sandbox import REPO_ROOT
-from ampbench.train import numerics, runner, setup
+from ampbench.train import distributed, numerics, runner, setup
+from ampbench.train.engine import Trainer
+from tests.test_distributed import WORLD, _join, _ranks
 
 
 @pytest.fixture
@@ -268,27 +271,6 @@ def test_the_fine_tune_example_is_what_the_readme_points_to():
     assert "examples/finetune.yaml" in (REPO_ROOT / "README.md").read_text()
 
 
-def test_the_roofline_counts_what_autograd_runs_for_a_frozen_backbone():
-    """A frozen ResNet-18 backbone: no weight-gradient GEMM for a frozen layer, no input gradient before the first
-    trained one (the head: nothing but its own weight and bias gradients), and the optimizer reads and writes the
-    head alone."""
-    from ampbench.config import optim
-    from ampbench.measure import opcount
-
-    def counted(freeze):
-        cfg = config.from_dict({"data": {"source": "synthetic"}, "model": {"arch": "resnet18", "freeze": freeze}})
-        ops = opcount.for_config(cfg, optim.for_count, batch=8, precisions=("fp32",))["ops"]["fp32"]
-        return {ph: (sum(o.flops for o in ops if o.phase == ph), sum(o.bytes for o in ops if o.phase == ph))
-                for ph in ("forward", "backward", "optimizer")}
-    full, frozen = counted([]), counted(["backbone"])
-    assert frozen["forward"] == full["forward"]
-    assert full["backward"][0] > 1.9 * full["forward"][0]  # input and weight gradients of every layer
-    head = 2 * 8 * 512 * 10  # the head's weight-gradient GEMM, batch 8
-    assert head <= frozen["backward"][0] < head + 8 * 10 * 8  # and the loss's gradient, elementwise
-    params = 11_173_962
-    assert frozen["optimizer"][1] / full["optimizer"][1] == pytest.approx((512 * 10 + 10) / params, rel=0.05)
-
-
 @pytest.mark.parametrize("rung", ["fp8", "mxfp8"])
 def test_fp8_keeps_frozen_linear_layers_out_of_the_conversion_and_says_so(rung):
     """torchao's float8 and MX Linear compute the weight's gradient GEMM whether or not the weight trains: a frozen
@@ -319,3 +301,34 @@ def test_fp8_keeps_frozen_linear_layers_out_of_the_conversion_and_says_so(rung):
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert moved <= trained and {n for n in trained if n.endswith("weight")} <= moved  # the converted block's too
+
+
+def _frozen_worker(rank: int, port: int, folder: str) -> None:
+    world = _join(rank, port)
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn", "freeze": ["0", "2"]},
+                            "mlflow": {"enabled": False}, "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 0},
+                            "distributed": {"nproc_per_node": WORLD}})  # find_unused_parameters: false
+    trainer = Trainer(runplan.make_plan(cfg, "fp32", "cpu"), data.load_prepared(Path(folder) / "prepared", "cpu"),
+                      progress=False, world=world)
+    start = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    batches = trainer.train_batches.epoch(0)
+    for i in range(3):
+        trainer.step_in_epoch = trainer.global_step = i
+        trainer.optimizer_step(*next(batches))
+    end = dict(trainer.model.named_parameters())
+    out = {"frozen_same": all(torch.equal(end[n], start[n]) for n in start if n.startswith(("0.", "2."))),
+           "moved": sorted(n for n in start if not torch.equal(end[n], start[n])),
+           "unused_flag": trainer.step_model.find_unused_parameters,
+           "weights": [float(p.detach().double().sum()) for p in end.values()]}
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    distributed.shutdown()
+
+
+def test_ddp_trains_a_frozen_backbone_without_find_unused_parameters(tmp_path):
+    """Frozen parameters are not DDP's: it all-reduces the trained ones alone and waits for no gradient of a frozen
+    one, so a fine-tuned model trains on 2 ranks with find_unused_parameters off, the frozen blocks unchanged."""
+    ranks = _ranks(tmp_path, _frozen_worker)
+    assert ranks[0] == ranks[1]
+    r = ranks[0]
+    assert r["frozen_same"] and r["unused_flag"] is False
+    assert r["moved"] == ["4.0.weight", "4.1.bias", "4.1.weight", "7.bias", "7.weight"]

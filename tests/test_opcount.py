@@ -312,3 +312,21 @@ def test_an_inference_count_is_one_forward_pass_in_eval_mode():
     training = opcount.count(copy.deepcopy(model), x, y, "fp16", lambda p: torch.optim.SGD(p, lr=0.1))
     assert any("bernoulli" in op.name for op in training)  # the same model in training mode drops
     assert sum(op.flops for op in training) > 2 * sum(op.flops for op in ops)  # a backward (no input gradient)
+
+
+def test_the_roofline_counts_what_autograd_runs_for_a_frozen_backbone():
+    """A frozen ResNet-18 backbone: no weight-gradient GEMM for a frozen layer, no input gradient before the first
+    trained one (the head: nothing but its own weight and bias gradients), and the optimizer reads and writes the
+    head alone."""
+    def counted(freeze):
+        cfg = config.from_dict({"data": {"source": "synthetic"}, "model": {"arch": "resnet18", "freeze": freeze}})
+        ops = opcount.for_config(cfg, optim.for_count, batch=8, precisions=("fp32",))["ops"]["fp32"]
+        return {ph: (sum(o.flops for o in ops if o.phase == ph), sum(o.bytes for o in ops if o.phase == ph))
+                for ph in ("forward", "backward", "optimizer")}
+    full, frozen = counted([]), counted(["backbone"])
+    assert frozen["forward"] == full["forward"]
+    assert full["backward"][0] > 1.9 * full["forward"][0]  # input and weight gradients of every layer
+    head = 2 * 8 * 512 * 10  # the head's weight-gradient GEMM, batch 8
+    assert head <= frozen["backward"][0] < head + 8 * 10 * 8  # and the loss's gradient, elementwise
+    params = 11_173_962
+    assert frozen["optimizer"][1] / full["optimizer"][1] == pytest.approx((512 * 10 + 10) / params, rel=0.05)

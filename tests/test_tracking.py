@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ampbench import config, data, env, results, runplan, tracking
-from ampbench.errors import NotTheAnalysis
+from ampbench import config, data, env, runplan, tracking
 from ampbench.sandbox import REPO_ROOT, env_with_venv
 
 
@@ -256,97 +255,3 @@ def test_tracking_settings_are_not_in_the_plans_and_passwords_are_never_printed(
     assert tracking.safely("train@fp32", lambda cfg, root: failing(), config.MlflowConfig(), tmp_path) is None
     out = capsys.readouterr().out
     assert "bob:***@db" in out and "hunter2" not in out
-
-
-# where a variant's logging can be cut (the server gone, a reset): (the client call, which of its calls fails); one
-# in each phase: after the run is created, mid-metrics, mid-artifacts, in the LoggedModel, just before the key
-KILL_POINTS = [("log_inputs", 1), ("log_batch", 2), ("log_artifact", 2), ("create_logged_model", 1), ("set_tag", 1)]
-
-
-@pytest.fixture(scope="module")
-def logged_run_folder(tmp_path_factory):
-    """A trained variant's run folder (small_cnn, one epoch) with its model, its plan and env.json."""
-    repo = tmp_path_factory.mktemp("run")
-    data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, repo / "prepared", repo / "r")
-    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"},
-                            "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 1}, "profile": {"steps": 0},
-                            "variants": {"fp32": {"precision": "fp32"}}})
-    plan = runplan.make_plan(cfg, "fp32", "cpu")
-    from ampbench.train import runner
-    prepared = data.load_prepared(repo / "prepared", "cpu")
-    result = runner.train(plan, prepared, progress=False)
-    result.metrics["dataset"] = data.record(repo / "prepared", prepared["meta"])  # the stage's dataset inputs
-    model = {"state_dict": result.weights, "model": config.to_dict(plan.model), "num_classes": 10, "image_size": 32,
-             "precision": "fp32"}
-    results.write_run(repo / "runs" / "fp32", result.metrics, result.tables(), result.step_times_ms, "", model)
-    return repo, config.to_dict(plan)
-
-
-@pytest.mark.parametrize(("call", "nth"), KILL_POINTS)
-def test_a_log_cut_at_any_point_is_completed_once_by_the_replay(logged_run_folder, tmp_path, monkeypatch, call,
-                                                                 nth):
-    """The first log fails at one call; the replay (what `ampbench mlflow-sync` runs) leaves exactly one run of
-    those results in the store, FINISHED, with its metrics, its files and its LoggedModel, and nothing partial."""
-    repo, plan = logged_run_folder
-    store = f"sqlite:///{tmp_path / 'store.db'}"
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
-    cfg, run_dir = config.MlflowConfig(log_model=True), repo / "runs" / "fp32"
-    real, calls = getattr(MlflowClient, call), [0]
-
-    def cut(self, *args, **kwargs):
-        calls[0] += 1
-        if calls[0] == nth:
-            raise ConnectionError(f"connection reset at {call} #{nth}")
-        return real(self, *args, **kwargs)
-    monkeypatch.setattr(MlflowClient, call, cut)
-    with pytest.raises((ConnectionError, NotTheAnalysis)):  # the LoggedModel's calls: not the analysis's failure
-        tracking.log_variant(cfg, repo, run_dir, plan, {})
-    monkeypatch.setattr(MlflowClient, call, real)
-    rid, new = tracking.log_variant(cfg, repo, run_dir, plan, {})
-    assert new
-    assert tracking.log_variant(cfg, repo, run_dir, plan, {}) == (rid, False)  # and once only
-    client = MlflowClient(store)
-    exp = client.get_experiment_by_name("ampbench").experiment_id
-    [run] = client.search_runs([exp])
-    assert run.info.run_id == rid and run.info.status == "FINISHED"
-    assert run.data.tags[tracking.KEY_TAG] == tracking.file_key(run_dir / results.METRICS)
-    assert "final_acc" in run.data.metrics and run.data.params["train.batch_size"] == "32"
-    assert {a.path for a in client.list_artifacts(rid)} >= {"metrics.json", "history.csv", "system.csv"}
-    models = [m for m in client.search_logged_models([exp])]
-    assert [(m.source_run_id, m.status.name) for m in models] == [(rid, "READY")]
-
-
-def test_the_sync_goes_on_past_an_unreadable_run_folder_and_names_it(logged_run_folder, tmp_path, monkeypatch,
-                                                                     capsys):
-    import shutil
-    repo, _ = logged_run_folder
-    runs = tmp_path / "runs"
-    shutil.copytree(repo / "runs" / "fp32", runs / "fp32")
-    (runs / "broken").mkdir()
-    (runs / "broken" / results.METRICS).write_text("")  # a disk that filled up as it was written
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'store.db'}")
-    failed = tracking.sync(config.MlflowConfig(log_model=False), tmp_path, runs, tmp_path / "plans",
-                           tmp_path / "env.json", tmp_path / "report.md", tmp_path / "summary.json", tmp_path / "f")
-    out = capsys.readouterr().out
-    assert failed == 1 and "MLflow logging of train@broken failed (JSONDecodeError" in out
-    assert "MLflow: logged train@fp32" in out
-
-
-def test_a_failed_log_leaves_a_visible_marker_that_a_successful_one_clears(tmp_path, monkeypatch, capsys):
-    """Pending work is visible outside every stage's DVC dependencies: env_check and the report stage say what
-    is on disk but not in MLflow until `ampbench mlflow-sync` logs it."""
-    from ampbench.env import check
-    monkeypatch.chdir(tmp_path)
-
-    def down(cfg, root, *args):
-        raise ConnectionError("connection refused")
-    assert tracking.safely("train@fp32", down, config.MlflowConfig(), tmp_path) is None
-    tracking.safely("report", down, config.MlflowConfig(), tmp_path)
-    line = results.pending_line(tmp_path)
-    assert line == ("2 result(s) are on disk but not in MLflow (report, train@fp32): log them with "
-                    "`ampbench mlflow-sync`")
-    assert line in check.tracking_warnings(config.from_dict({"mlflow": {"tracking_uri": "sqlite:///x.db"}}))
-    assert not (tmp_path / "reports").exists()  # the markers are under .ampbench/, which no stage depends on
-    assert tracking.safely("train@fp32", lambda cfg, root: ("r1", True), config.MlflowConfig(), tmp_path) == "r1"
-    assert results.pending_line(tmp_path).startswith("1 result(s) are on disk but not in MLflow (report)")
-    assert "MLflow: logged train@fp32 (run r1)" in capsys.readouterr().out

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import logging
 import math
 import os
 from datetime import datetime
@@ -39,11 +38,19 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from ampbench import results  # noqa: E402
 from ampbench.config import MlflowConfig, flatten, project_root, redact_text, tracking_uri  # noqa: E402
-from ampbench.errors import NotTheAnalysis, analysis, first_line  # noqa: E402
+from ampbench.errors import analysis  # noqa: E402
 from ampbench.results import fingerprint, git_commit  # noqa: E402
+from ampbench.tracking.logged_model import _log_model, _pins_taken_as_read  # noqa: E402, F401
+from ampbench.tracking.runkeys import (  # noqa: E402, F401  the run key's rules (compare and the tests read them)
+    KEY_TAG,
+    PENDING_TAG,
+    _delete,
+    _runs_of,
+    _store_failures_pass,
+    complete_run,
+    transient,
+)
 
-KEY_TAG = "ampbench.run_key"  # set last: the run is whole
-PENDING_TAG = "ampbench.run_key_pending"  # set first: the run is being logged
 # MLflow 3's UI reads this experiment tag to know what kind of experiment it shows; without it the UI asks, and
 # leans to the GenAI (traces) view. Training runs are "custom model development": the runs table and charts.
 KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
@@ -170,62 +177,6 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     return rid, True
 
 
-def transient(err: BaseException) -> bool:
-    """Whether ``err`` is the tracking store's, and may pass (a connection refused or reset, a time-out, HTTP 408,
-    429 or 5xx after MLflow's retries), rather than a permanent refusal (401, 403, 404) or the caller's own."""
-    import requests
-    from mlflow.exceptions import MlflowException
-    if isinstance(err, ConnectionError | TimeoutError | requests.exceptions.RequestException):
-        return True
-    if isinstance(err, MlflowException):
-        code = err.get_http_status_code()
-        return code >= 500 or code in (408, 429)
-    return False
-
-
-def _store_failures_pass(fn, *args):
-    """``fn(*args)``, its failure an analysis's own unless the store failed under it: then the run being logged
-    is not whole, and stays partial for the replay to complete."""
-    try:
-        return fn(*args)
-    except Exception as err:
-        if transient(err):
-            raise NotTheAnalysis(first_line(err)) from err
-        raise
-
-
-def _runs_of(client: MlflowClient, exp_id: str, key: str) -> list:
-    """Every run of ``key``, whole or partial, in any status."""
-    found = {}
-    for tag in (KEY_TAG, PENDING_TAG):
-        for run in client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{key}'", max_results=100):
-            found[run.info.run_id] = run
-    return list(found.values())
-
-
-def complete_run(client: MlflowClient, exp_id: str, key: str, status: str | None = None) -> str | None:
-    """The id of the whole run of ``key``: its key set (last) and its status the one it was to end with
-    (``status``; FINISHED or FAILED as the stage said, when not given); of several (two writers), the first
-    made. None when there is none."""
-    runs = [r for r in client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=100)
-            if r.info.status == status or (status is None and r.info.status in ("FINISHED", "FAILED"))]
-    if not runs:
-        return None
-    first = min(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))
-    for other in runs:
-        if other.info.run_id != first.info.run_id:
-            _delete(client, exp_id, other.info.run_id)
-    return first.info.run_id
-
-
-def _delete(client: MlflowClient, exp_id: str, rid: str) -> None:
-    """Delete a partial or duplicate run, and the LoggedModel it made."""
-    with contextlib.suppress(Exception):  # a store without LoggedModels
-        for m in client.search_logged_models([exp_id], filter_string=f"source_run_id = '{rid}'"):
-            client.delete_logged_model(m.model_id)
-    client.delete_run(rid)
-
-
 JOBS_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"
 
 
@@ -238,69 +189,6 @@ def server_env() -> dict[str, str]:
 
 
 MODEL_METRICS = ("final_acc", "best_acc", "final_loss", "imgs_per_s", "peak_mem_bytes")  # also the LoggedModel's
-
-
-def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: str, path: Path,
-               tags: dict) -> str | None:
-    """The run's trained model as an MLflow LoggedModel, rebuilt from its weights file (``results.MODEL``) with the
-    code that loads it (ampbench's package; a user factory's package) and explicit pip requirements (inferring
-    them imports the model's modules and asks a package index); its id. Raises when it cannot be logged (a LoggedModel
-    already created is marked FAILED): the caller runs it as an analysis."""
-    import mlflow
-    import torch
-    import torchvision
-
-    from ampbench import models
-    from ampbench.config import ModelConfig
-    saved = torch.load(path, map_location="cpu", weights_only=True)
-    variant = run_name.split("@")[-1]
-    # a factory that no longer builds what it trained raises here: the run is logged without the model
-    module = models.build(ModelConfig(**{**saved["model"], "freeze": tuple(saved["model"].get("freeze", ()))}),
-                          num_classes=saved["num_classes"], image_size=saved["image_size"], device="cpu",
-                          pretrained=False)  # its own trained weights, not the pretrained ones fetched again
-    module.load_state_dict(saved["state_dict"])
-    code = [Path(models.__file__).resolve().parents[1]]  # the ampbench package: built-in models unpickle from it
-    factory = saved["model"].get("factory")
-    if factory:
-        top = Path.cwd() / factory.split(":")[0].split(".")[0]
-        code.append(top if top.is_dir() else top.with_suffix(".py"))
-    lm = client.create_logged_model(exp_id, name=variant, source_run_id=rid, model_type="image-classifier",
-                                    params={"precision": saved.get("precision", ""), "num_classes":
-                                            str(saved["num_classes"]), "image_size": str(saved["image_size"]),
-                                            **{f"model.{k}": str(v) for k, v in saved["model"].items()}},
-                                    tags={k: v for k, v in tags.items() if k.startswith("ampbench.")})
-    mlflow.set_tracking_uri(uri)
-    requirements = [f"{m.__name__}=={m.__version__.split('+')[0]}" for m in (torch, torchvision)]
-    quiet = logging.getLogger("mlflow.pytorch")
-    level, quiet.level = quiet.level, logging.ERROR  # its note on pickle: these are the user's own weights and code
-    try:
-        with _pins_taken_as_read():
-            mlflow.pytorch.log_model(module, name=variant, model_id=lm.model_id, serialization_format="pickle",
-                                     code_paths=[str(p) for p in code if p.exists()], pip_requirements=requirements)
-    except Exception:
-        client.finalize_logged_model(lm.model_id, "FAILED")
-        raise
-    finally:
-        quiet.level = level
-    return lm.model_id
-
-
-@contextlib.contextmanager
-def _pins_taken_as_read():
-    """MLflow checks a model's pip requirements against the installed packages, and maps every installed
-    distribution's modules to do it, once in each process (0.6 s of a train stage in this project's venv, more in
-    a larger environment). Ours are read from the modules running (``torch.__version__``), so that check can only
-    agree: it is skipped while our model is saved. Where MLflow has moved it, nothing is skipped."""
-    from mlflow.utils import environment
-    check = getattr(environment, "warn_dependency_requirement_mismatches", None)
-    if check is None:
-        yield
-        return
-    environment.warn_dependency_requirement_mismatches = lambda requirements: None
-    try:
-        yield
-    finally:
-        environment.warn_dependency_requirement_mismatches = check
 
 
 def _tags(stage: str, variant: str, metrics: dict, env_info: dict, pipeline: str | None,

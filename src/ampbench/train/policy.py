@@ -57,10 +57,13 @@ class PrecisionPolicy:
     def autocast(self) -> AbstractContextManager:
         """The forward-pass context: autocast to the precision's dtype, or a disabled one, with the rung's kernels
         (``kernels``)."""
+        cast = torch.autocast(self.device_type, dtype=self.dtype if self.uses_autocast else None,
+                              enabled=self.uses_autocast)
+        if type(self.rung).kernels is Rung.kernels:  # the common case, per step: nothing around autocast
+            return cast
         stack = ExitStack()
         stack.enter_context(self.kernels())
-        stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype if self.uses_autocast else None,
-                                           enabled=self.uses_autocast))
+        stack.enter_context(cast)
         return stack
 
     def kernels(self) -> AbstractContextManager:

@@ -1,0 +1,70 @@
+"""A run's key, the mark that it was logged whole: set last, so a run cut short mid-logging is partial, and the
+rules that find the one whole run of some results, delete partial and duplicate ones, and tell the store's
+transient failures from the caller's own."""
+
+from __future__ import annotations
+
+import contextlib
+
+from mlflow.tracking import MlflowClient
+
+from ampbench.errors import NotTheAnalysis, first_line
+
+KEY_TAG = "ampbench.run_key"  # set last: the run is whole
+PENDING_TAG = "ampbench.run_key_pending"  # set first: the run is being logged
+
+
+def transient(err: BaseException) -> bool:
+    """Whether ``err`` is the tracking store's, and may pass (a connection refused or reset, a time-out, HTTP 408,
+    429 or 5xx after MLflow's retries), rather than a permanent refusal (401, 403, 404) or the caller's own."""
+    import requests
+    from mlflow.exceptions import MlflowException
+    if isinstance(err, ConnectionError | TimeoutError | requests.exceptions.RequestException):
+        return True
+    if isinstance(err, MlflowException):
+        code = err.get_http_status_code()
+        return code >= 500 or code in (408, 429)
+    return False
+
+
+def _store_failures_pass(fn, *args):
+    """``fn(*args)``, its failure an analysis's own unless the store failed under it: then the run being logged
+    is not whole, and stays partial for the replay to complete."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        if transient(err):
+            raise NotTheAnalysis(first_line(err)) from err
+        raise
+
+
+def _runs_of(client: MlflowClient, exp_id: str, key: str) -> list:
+    """Every run of ``key``, whole or partial, in any status."""
+    found = {}
+    for tag in (KEY_TAG, PENDING_TAG):
+        for run in client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{key}'", max_results=100):
+            found[run.info.run_id] = run
+    return list(found.values())
+
+
+def complete_run(client: MlflowClient, exp_id: str, key: str, status: str | None = None) -> str | None:
+    """The id of the whole run of ``key``: its key set (last) and its status the one it was to end with
+    (``status``; FINISHED or FAILED as the stage said, when not given); of several (two writers), the first
+    made. None when there is none."""
+    runs = [r for r in client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=100)
+            if r.info.status == status or (status is None and r.info.status in ("FINISHED", "FAILED"))]
+    if not runs:
+        return None
+    first = min(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))
+    for other in runs:
+        if other.info.run_id != first.info.run_id:
+            _delete(client, exp_id, other.info.run_id)
+    return first.info.run_id
+
+
+def _delete(client: MlflowClient, exp_id: str, rid: str) -> None:
+    """Delete a partial or duplicate run, and the LoggedModel it made."""
+    with contextlib.suppress(Exception):  # a store without LoggedModels
+        for m in client.search_logged_models([exp_id], filter_string=f"source_run_id = '{rid}'"):
+            client.delete_logged_model(m.model_id)
+    client.delete_run(rid)
