@@ -21,9 +21,10 @@ from ampbench.sandbox import REPO_ROOT, merge
 SHRINK = {
     "device": "cpu",
     "data": {"source": "synthetic", "train_size": 128, "test_size": 64},
-    "model": {"arch": "small_cnn"},
+    "model": {"arch": "small_cnn", "input_size": 16},  # fed at 16 px: a quarter of an emulated fp16 step's work
     "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 1, "eval_batch_size": 64},
     "sweep": {"batch_sizes": [8, 16], "steps": 2},
+    "profile": {"steps": 1},
     "paired": {"enabled": False},  # the pipeline test runs it (test_pipeline)
     "mlflow": {"log_model": False},  # 2 s a train stage; the pipeline and tracking tests turn it on
 }

@@ -68,7 +68,7 @@ def _plan(variant: str, steps: int = 2, **model):
 
 
 def test_profile_of_a_known_op_mix(tiny):
-    result = runner.train(_plan("amp", factory="tests.test_profile:mlp"), tiny, progress=False)
+    result = runner.train(_plan("amp", factory="tests.test_profile:mlp", input_size=0), tiny, progress=False)
     prof = result.metrics["profile"]
     cats = prof["categories"]
     assert prof["steps"] == 2 and prof["basis"] == "CPU time of each op"

@@ -129,6 +129,7 @@ def test_check_model_over_the_families(tiny_params, arch):
 
 def test_check_model_command_prints_the_table_and_exits_non_zero_on_a_failure(tmp_path, tiny_params):
     import yaml
+    tiny_params["model"]["input_size"] = 0  # the data's 32 px, too small for the model
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(tiny_params))
     proc = subprocess.run([sys.executable, "-m", "ampbench.cli", "check-model", "tv:vit_b_32", "--no-step", "later",
                            "--json", str(tmp_path / "out.json")], cwd=tmp_path, capture_output=True, text=True,
