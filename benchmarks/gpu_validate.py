@@ -48,7 +48,8 @@ CHECKS = {
     "fp8_gemms": "torch._scaled_mm (no torchao) on the three GEMMs of each Linear layer fp8 converts in vit_tiny, at "
                  "15 x the least batch env_check accepts: each runs and matches its fp32 product; one more image "
                  "than a multiple of it: CUDA refuses exactly the weight-gradient GEMMs, as env_check says "
-                 "(compute capability 8.9 and later)",
+                 "(compute capability 8.9 and later); and a GEMM of each recipe's scaling (tensorwise, rowwise) tried, "
+                 "which env_check reads to allow rowwise on compute capability 12.x",
     "launch_floor": "the host's time per kernel launched back to back from eager PyTorch (a one-element add_, "
                     "20,000 of them): the roofline's launch floor on this machine (ampbench roofline --launch-us), "
                     "against its default",
@@ -223,6 +224,24 @@ def _fp8_gemm(a_shape: tuple, b_shape: tuple) -> float:
     return _rel_err(out, a.float() @ b.float())
 
 
+def _recipe_gemm(recipe: str) -> bool | str:
+    """Whether this card runs the fp8 GEMM of ``recipe``'s scaling (tensorwise: one scale per tensor; rowwise: one
+    per row of A and column of B, as torchao's rowwise recipes call it) within fp8's error: True, or the error."""
+    m, k, n = 256, 512, 384
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
+    if recipe == "tensorwise":
+        sa = sb = torch.ones((), device="cuda")
+    else:
+        sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    try:
+        out = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16).float()
+    except RuntimeError as err:
+        return str(err).strip().splitlines()[0][:200]
+    err = _rel_err(out, a.float() @ b.float())
+    return True if err < 2e-2 else f"relative error {err:.3g}"
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
@@ -235,7 +254,9 @@ def check_fp8_gemms(prepared: dict) -> dict:
     found = fp8.census(models.build_meta(config.ModelConfig(arch="vit_tiny"), num_classes=10, image_size=32),
                        "tensorwise", 32)  # torch alone: the layers a forward calls, each [in, out, rows per image]
     need = fp8.images_multiple(found, "cuda")
-    figure = {"multiple": need, "layers": len(found["layers"])}
+    # every recipe's kind of GEMM: env_check allows rowwise on compute capability 12.x only where it ran here
+    figure = {"multiple": need, "layers": len(found["layers"]),
+              "recipes": {r: _recipe_gemm(r) for r in ("tensorwise", "rowwise")}}
     for batch, legal in ((15 * need, True), (15 * need + 1, False)):  # an odd multiple: a rule too lax fails
         gemms = {}
         for k, n, rows in found["layers"].values():

@@ -6,11 +6,12 @@
 Each model is checked as a user's `model.arch: tv:<name>` would be, with the committed params.yaml (CIFAR-10,
 32x32, batch 256), at every precision: built (on meta tensors), the input size it takes found, its training step
 counted for the roofline (ratios of fp16 and bf16 against strict fp32 and tf32 on an RTX 5090 and an H100 SXM),
-what fp8 converts listed, and one optimizer step per precision run on the CPU at a batch of two images, at the
-data's size or the smallest the model takes. A model's CPU steps are skipped when it has more than
-``--max-params`` parameters, and the precisions after fp32 when fp32's step took longer than ``--step-budget``
-seconds; each skip is named in its row. Models run one after another, each in a process forked for it: one that
-fails (or runs out of memory) is a row, never a stopped run.
+what fp8 and mxfp8 convert listed and each checked against the unconverted model (conformance: logits within its
+tolerance, every gradient there, the dtypes its casts take), and one optimizer step per precision run on the CPU
+at a batch of two images, at the data's size or the smallest the model takes. A model's CPU steps are skipped when
+it has more than ``--max-params`` parameters, and the precisions after fp32 when fp32's step took longer than
+``--step-budget`` seconds; each skip is named in its row. Models run one after another, each in a process forked
+for it: one that fails (or runs out of memory) is a row, never a stopped run.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ampbench.train import conformance
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 FINE_TUNE = ("fp32", "fp16")  # stepped again with the backbone frozen: the fine-tune column
+CONVERTING = ("fp8", "mxfp8")  # checked against the unconverted model where they convert a layer: conformance
 RATIO_KEYS = [(gpu, f"{p}_vs_{ref}") for gpu in conformance.ZOO_GPUS for p in ("fp16", "bf16")
               for ref in ("fp32", "tf32")]
 COLUMNS = (["model", "params_m", "input_size", "input_fix", "gflop_per_image", "fp8_layers", "fp8_flop_share",
@@ -43,7 +45,8 @@ COLUMNS = (["model", "params_m", "input_size", "input_fix", "gflop_per_image", "
            + [f"{gpu.replace(' ', '_')}_{key}" for gpu, key in RATIO_KEYS]
            + [f"{gpu.replace(' ', '_')}_launch_bound" for gpu in conformance.ZOO_GPUS] + list(PRECISIONS)
            + [f"{p}_why" for p in PRECISIONS] + [f"finetune_{p}" for p in FINE_TUNE]
-           + [f"finetune_{p}_why" for p in FINE_TUNE] + ["roofline_why", "seconds"])
+           + [f"finetune_{p}_why" for p in FINE_TUNE] + [f"conformance_{p}" for p in CONVERTING]
+           + [f"conformance_{p}_why" for p in CONVERTING] + ["roofline_why", "seconds"])
 
 
 def check_one(name: str, params: dict, max_params: float, step_budget: float) -> dict:
@@ -74,6 +77,10 @@ def check_one(name: str, params: dict, max_params: float, step_budget: float) ->
         r = rows[f"fine-tune {p}"]
         out[f"finetune_{p}"] = {True: "pass", False: "FAIL", None: "skipped"}[r["ok"]]
         out[f"finetune_{p}_why"] = "" if r["ok"] else r["detail"]
+    for p in CONVERTING:  # no row: the rung converts no layer of this model
+        r = rows.get(f"{p} conformance") or {"ok": None, "detail": "converts no layer"}
+        out[f"conformance_{p}"] = {True: "pass", False: "FAIL", None: "-"}[r["ok"]]
+        out[f"conformance_{p}_why"] = r["detail"] if r["ok"] is not True else ""
     stepped = [rows[f"step {p}"] for p in PRECISIONS if rows[f"step {p}"]["ok"]]
     # the activation meter after each step that ran (at two images the fp16 casts of the weights outweigh the
     # activations, so its bytes say nothing of fp16's saving here: only that the meter follows the model)
@@ -130,6 +137,13 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
                      f"unchanged, that layer moved): {sum(r.get(key) == 'pass' for r in rows)} pass, "
                      f"{sum(r.get(key) == 'skipped' for r in rows)} not stepped"
                      + (f", {len(failed)} fail: {'; '.join(failed)}" if failed else ", none fails"))
+    for p in CONVERTING:
+        key = f"conformance_{p}"
+        failed = [f"{r['model']} ({r.get(f'{key}_why')})" for r in rows if r.get(key) == "FAIL"]
+        lines.append(f"- {p} conformance (the converted model's logits within {p}'s tolerance of the unconverted "
+                     "one's, every trainable parameter with a gradient, the casts' dtypes those of its CUDA kernels): "
+                     f"{sum(r.get(key) == 'pass' for r in rows)} pass of the models it converts a layer of"
+                     + (f", {len(failed)} fail: {'; '.join(failed)}" if failed else ", none fails"))
     skips = {r["model"]: r["fp32_why"] or r["tf32_why"] for r in rows if "skipped" in (r["fp32"], r["tf32"])}
     if skips:
         lines += ["", "Not stepped on the CPU: " + "; ".join(f"{m}: {why.removeprefix('not stepped: ')}"
@@ -137,8 +151,8 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
     lines += ["", "## Every model", "",
               "| model | params | input | GFLOP/img | fp8 converts | RTX 5090 fp16 / bf16 vs fp32 (vs tf32) "
               "| H100 SXM fp16 / bf16 vs fp32 (vs tf32) | activation meter | " + " | ".join(PRECISIONS)
-              + " | fine-tune " + " / ".join(FINE_TUNE) + " | s |",
-              "|---|---|---|---|---|---|---|---|" + "---|" * len(PRECISIONS) + "---|---|"]
+              + " | fine-tune " + " / ".join(FINE_TUNE) + " | conformance " + " / ".join(CONVERTING) + " | s |",
+              "|---|---|---|---|---|---|---|---|" + "---|" * len(PRECISIONS) + "---|---|---|"]
     for r in rows:
         cells = []
         for gpu in conformance.ZOO_GPUS:
@@ -151,7 +165,8 @@ def page(rows: list[dict], took_s: float, argv: list[str]) -> str:
         lines.append(f"| {r['model']} | {r['params_m']:,.1f}M | {size} | {_num(r['gflop_per_image'])} | {fp8} "
                      f"| {' | '.join(cells)} | {r.get('activation_meter', 'n/a')} | "
                      + " | ".join(r[p] for p in PRECISIONS)
-                     + f" | {' / '.join(r.get(f'finetune_{p}', 'n/a') for p in FINE_TUNE)} | {r['seconds']:.0f} |")
+                     + f" | {' / '.join(r.get(f'finetune_{p}', 'n/a') for p in FINE_TUNE)}"
+                     + f" | {' / '.join(r.get(f'conformance_{p}', 'n/a') for p in CONVERTING)} | {r['seconds']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -182,6 +197,8 @@ def main() -> None:
                    **{p: "FAIL" for p in PRECISIONS}, **{f"{p}_why": first_line(err) for p in PRECISIONS},
                    **{f"finetune_{p}": "FAIL" for p in FINE_TUNE},
                    **{f"finetune_{p}_why": first_line(err) for p in FINE_TUNE},
+                   **{f"conformance_{p}": "FAIL" for p in CONVERTING},
+                   **{f"conformance_{p}_why": first_line(err) for p in CONVERTING},
                    **{f"{g.replace(' ', '_')}_{k}": None for g, k in RATIO_KEYS}, "activation_meter": "FAIL"}
         rows.append(row)
         done = time.perf_counter() - t0

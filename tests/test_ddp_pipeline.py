@@ -16,7 +16,8 @@ from tests.test_distributed import WORLD
 
 DDP_VARIANTS = {"fp32": {"precision": "fp32", "accum_steps": 1},            # 2 processes
                 "fp32_1proc": {"precision": "fp32", "accum_steps": 1, "ddp": False},
-                "amp_accum": {"precision": "fp16", "accum_steps": 2, "grad_comm": "fp16"}}
+                # bf16 compute (fp16's GradScaler under DDP: test_distributed), fp16 gradient communication
+                "bf16_accum": {"precision": "bf16", "accum_steps": 2, "grad_comm": "fp16"}}
 
 
 def _ddp_params(variants: dict) -> dict:
@@ -79,7 +80,7 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     assert "torchrun --standalone --nproc-per-node 2 stages/train.py --nproc-per-node 2" in proc.stdout
     metrics = {v: json.loads((repo / "reports" / "runs" / v / "metrics.json").read_text()) for v in DDP_VARIANTS}
     assert [metrics[v]["world_size"] for v in DDP_VARIANTS] == [2, 1, 2]
-    assert metrics["amp_accum"]["grad_comm"] == "fp16" and metrics["amp_accum"]["micro_batch_size"] == 8
+    assert metrics["bf16_accum"]["grad_comm"] == "fp16" and metrics["bf16_accum"]["micro_batch_size"] == 8
     assert metrics["fp32"]["backend"] == "gloo" and metrics["fp32"]["optimizer_steps"] == 3 * 1024 // 32
     assert metrics["fp32"]["profile"]["communication"]["step_ms"] > 0
     for v in DDP_VARIANTS:  # one writer: one set of run files, one line saying so
@@ -96,7 +97,7 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     report = (repo / "reports" / "report.md").read_text()
     assert "## Past one process: data-parallel training (DDP)" in report
     assert "| fp32 | 2 | gloo | fp32 |" in report and "`fp32_1proc`" in report
-    assert "- Processes: 2 (torchrun, gloo backend) for fp32, amp_accum; one for fp32_1proc" in report
+    assert "- Processes: 2 (torchrun, gloo backend) for fp32, bf16_accum; one for fp32_1proc" in report
     assert "Data-parallel over 2 processes (gloo): fp32 ran " in report.splitlines()[2]  # the verdict says it
     summary = json.loads((repo / "reports" / "summary.json").read_text())
     row = next(r for r in summary["scaling"]["rows"] if r["variant"] == "fp32")

@@ -109,10 +109,23 @@ def test_a_state_dict_file_loads_strictly_but_for_a_head_of_another_class_count(
 
 
 @pytest.mark.parametrize(("arch", "head"), [("tv:mobilenet_v3_small", "classifier.3"), ("vit_tiny", "heads.head"),
-                                            ("tv:resnet18", "fc"), ("tv:convnext_tiny", "classifier.2")])
-def test_backbone_is_everything_but_the_last_linear_the_forward_runs(arch, head):
+                                            ("tv:resnet18", "fc"), ("tv:convnext_tiny", "classifier.2"),
+                                            ("tv:squeezenet1_1", "classifier.1")])  # a 1x1 convolution
+def test_backbone_is_everything_but_the_last_classification_layer_the_forward_runs(arch, head):
     model = models.build_meta(ModelConfig(arch=arch, freeze=("backbone",)), num_classes=10, image_size=32)
     assert {n for n, p in model.named_parameters() if p.requires_grad} == {f"{head}.weight", f"{head}.bias"}
+
+
+def test_a_convolution_head_of_another_class_count_is_made_anew(tmp_path, capsys):
+    torch.manual_seed(0)
+    trained = models.build(ModelConfig(arch="tv:squeezenet1_1"), num_classes=4, image_size=32, device="cpu")
+    torch.save(trained.state_dict(), tmp_path / "w.pt")
+    cfg = ModelConfig(arch="tv:squeezenet1_1", weights=str(tmp_path / "w.pt"), freeze=("backbone",))
+    models.check(cfg, num_classes=10, image_size=32)
+    assert "final layer classifier.1 (4 classes) made anew for the data's 10 classes" in capsys.readouterr().out
+    model = models.build(cfg, num_classes=10, image_size=32, device="cpu")
+    assert model.classifier[1].weight.shape == (10, 512, 1, 1) and model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert torch.equal(model.features[0].weight, trained.features[0].weight) and model.classifier[1].bias.requires_grad
 
 
 FACTORY = """
@@ -288,7 +301,7 @@ def test_fp8_keeps_frozen_linear_layers_out_of_the_conversion_and_says_so(rung):
     model = precision.rung(rung).prepare(models.build(cfg, num_classes=10, image_size=16, device="cpu"),
                                          r.cpu_recipes[0])
     converted = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)  # a torchao module, or weight
-                 and (type(m).__module__.startswith("torchao") or type(m.weight).__module__.startswith("torchao"))}
+                 and (type(m).__module__.startswith("torchao") or type(m.weight) is not torch.nn.Parameter)}
     assert converted and all(n.startswith("encoder.layers.encoder_layer_5.") for n in converted)
     from ampbench.train import step
     from ampbench.train.policy import PrecisionPolicy
@@ -300,7 +313,7 @@ def test_fp8_keeps_frozen_linear_layers_out_of_the_conversion_and_says_so(rung):
         step.train_step(model, opt, policy.scaler(), policy, x, y, 32)
     moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert moved <= trained and {n for n in trained if n.endswith("weight")} <= moved  # the converted block's too
+    assert moved == trained  # the converted block's weights and biases too
 
 
 def _frozen_worker(rank: int, port: int, folder: str) -> None:

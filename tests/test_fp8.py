@@ -268,3 +268,34 @@ def test_the_accumulation_check_of_fp8_measures_accumulation_not_fp8s_scaling(tm
     x, y = next(trainer.train_batches.epoch(0))
     with trainer.policy.kernels():  # the converted model's fp8 GEMMs, as its training step runs them on a CPU
         assert probes.accumulation_check(trainer.model, x, y, trainer.micro) > 100 * trainer.accum_check
+
+
+def test_fp8_rowwise_on_compute_capability_12_waits_for_gpu_validate(tmp_path):
+    """cuBLAS' rowwise-scaled fp8 GEMMs are built for 8.9, 9.x and 10.x: on an RTX 5090 env_check refuses a
+    rowwise variant with the fix, until `make gpu-validate` has run a rowwise GEMM on that card."""
+    import dataclasses
+    import json
+
+    from ampbench.env import machine
+    rtx = {"gpu": {"name": "NVIDIA GeForce RTX 5090", "capability": "12.0"}}
+    cfg = config.from_dict({"variants": {"fp8": {"precision": "fp8", "recipe": "rowwise"},
+                                         "tw": {"precision": "fp8"}}})
+    plans = {n: dataclasses.replace(runplan.make_plan(cfg, n, "cpu"), device="cuda") for n in cfg.variants}
+    with pytest.raises(EnvironmentMismatch, match=r"variants.fp8: fp8 recipe 'rowwise' on NVIDIA GeForce RTX 5090 "
+                                                  r"\(compute capability 12.0\).*use recipe: tensorwise"):
+        machine.check_recipes("cuda", rtx, plans, tmp_path)
+    machine.check_recipes("cuda", {"gpu": {"name": "NVIDIA H100", "capability": "9.0"}}, plans, tmp_path)
+    machine.check_recipes("cpu", rtx, plans, tmp_path)  # the CPU's emulation runs it
+    record = tmp_path / machine.VALIDATED
+    record.parent.mkdir(parents=True)
+    found = {"env": rtx, "checks": {"fp8_gemms": {"figure": {"recipes": {"tensorwise": True,
+                                                                          "rowwise": "not supported"}}}}}
+    record.write_text(json.dumps(found))
+    with pytest.raises(EnvironmentMismatch):  # validated, and it failed there
+        machine.check_recipes("cuda", rtx, plans, tmp_path)
+    found["checks"]["fp8_gemms"]["figure"]["recipes"]["rowwise"] = True
+    record.write_text(json.dumps(found))
+    machine.check_recipes("cuda", rtx, plans, tmp_path)
+    other = {"gpu": {"name": "NVIDIA RTX PRO 6000", "capability": "12.0"}}  # another card's record does not count
+    with pytest.raises(EnvironmentMismatch):
+        machine.check_recipes("cuda", other, plans, tmp_path)

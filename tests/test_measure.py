@@ -280,3 +280,21 @@ def test_a_24_hour_run_keeps_a_bounded_system_table_and_summarizes_every_sample(
     full = sysmon.summary(every, 3000.0)
     assert sysmon.summary(mon.rows, 3000.0, mon.samples) == full
     assert full["gpu_sm_clock_mhz_p10_p90"][0] > 1900 and not math.isnan(full["energy_per_image_j"])
+
+
+def test_the_clock_the_steadiness_guard_reads_is_the_timed_steps_alone():
+    """An evaluation's boost clock and power (a busy GPU too) are not the timed steps' steady state: the samples
+    carry the phase the training was in (set by the engine's loop) and the summary reads the timed ones."""
+    from ampbench.measure import sysmon
+    mon = sysmon.SystemMonitor(interval_s=0.5)
+    for i in range(40):
+        phase = ("warmup", "timed", "timed", "other")[i % 4]
+        sysmon.set_phase(phase)
+        mon.add({"t_s": i / 2, "phase": phase, "gpu_util_percent": 99, "gpu_temperature_c": 60,
+                 "gpu_sm_clock_mhz": 1410 if phase == "timed" else 1980, "gpu_power_w": 700.0 if phase == "timed"
+                 else 300.0})
+    sysmon.set_phase("other")
+    s = sysmon.summary(mon.rows, 7000.0, mon.samples)
+    assert s["gpu_sm_clock_mhz_p10_p90"] == [1410, 1410] and s["gpu_sm_clock_mhz_median"] == 1410
+    assert s["energy_per_image_j"] == pytest.approx(0.1) and sysmon.summary(mon.rows, 7000.0) == s
+    assert "phase" in sysmon.COLUMNS

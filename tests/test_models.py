@@ -195,16 +195,17 @@ def test_env_check_stage_refuses_a_broken_factory(user_models, tiny_params):
 
 def test_training_a_torchvision_model_at_a_larger_input(tmp_path, tiny_params):
     """Everything downstream works for a tv: model fed resized images: metrics name it and count its parameters."""
-    tiny_params["model"] = {"arch": "tv:resnet18", "input_size": 48}
-    tiny_params["data"]["train_size"] = 32
+    tiny_params["model"] = {"arch": "tv:resnet18", "input_size": 40}
+    tiny_params["data"].update(train_size=32, test_size=16)  # one emulated fp16 step, one evaluation batch
+    tiny_params["amp"]["audit_batches"] = 1
     tiny_params["profile"] = {"steps": 0}  # the step profile: test_profile; a tv: model through dvc repro: test_zoo
     cfg = config.from_dict(tiny_params)
     data.prepare(cfg.data, 0, tmp_path / "p", tmp_path / "raw")
     prepared = data.load_prepared(tmp_path / "p", "cpu")
     result = runner.train(runplan.make_plan(cfg, "amp", "cpu"), prepared, progress=False)
     m = result.metrics
-    assert m["model"] == "tv:resnet18" and m["input_size"] == 48 and m["num_classes"] == 10
-    assert m["param_count"] == sum(p.numel() for p in models.build(cfg.model, num_classes=10, image_size=48,
+    assert m["model"] == "tv:resnet18" and m["input_size"] == 40 and m["num_classes"] == 10
+    assert m["param_count"] == sum(p.numel() for p in models.build(cfg.model, num_classes=10, image_size=40,
                                                                      device="cpu").parameters())
     assert m["activation_bytes"] > 0 and m["train_flops_per_image"] > 0
     assert json.dumps(m)  # serialisable as metrics.json

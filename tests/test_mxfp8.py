@@ -84,3 +84,69 @@ def test_env_check_refuses_an_mxfp8_micro_batch_that_breaks_the_block_rule(tmp_p
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "variants.mx.accum_steps = 4 gives mxfp8 micro-batches of 16 images" in out.stderr
     assert not r.exists()  # refused before anything is written
+
+
+def _three_linears():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 10))
+    with torch.no_grad():
+        model[2].bias.fill_(100.0)
+    return model
+
+
+def test_mxfp8_keeps_the_bias_of_every_layer_it_converts_and_trains_it():
+    """torchao's MX weight wrapper takes over F.linear and drops its bias; ampbench's adds it (the middle layer,
+    converted, ends kept: a bias of 100 on its outputs)."""
+    plain = _three_linears()
+    mx = MX.prepare(copy.deepcopy(plain), "mxfp8_emulated_rceil")
+    assert type(mx[2].weight) is not torch.nn.Parameter and type(mx[0].weight) is torch.nn.Parameter
+    x = torch.randn(32, 64)
+    with torch.no_grad():
+        want, got = plain[:4](x), mx[:4](x)
+    tol, _ = MX.tolerance(1)
+    assert float((got - want).norm() / want.norm()) <= tol and got.mean() > 90  # torchao's alone: 0.01
+    mx(x).sum().backward()
+    assert all(p.grad is not None for p in mx.parameters())  # the bias trains
+
+
+def test_mxfp8_casts_what_autocast_would_before_quantizing():
+    """Under bf16 autocast every tensor MX quantizes is bf16, as MX's CUDA casts require (torchao's wrapper runs
+    before autocast: a LayerNorm's fp32 output and the fp32 master weight reached it), and a Linear kept in high
+    precision feeding a converted one runs (it stopped with "expected m1 and m2 to have the same dtype")."""
+    model = MX.prepare(models.build(config.ModelConfig(arch="vit_tiny"), num_classes=10, image_size=16,
+                                    device="cpu"), "mxfp8_emulated_rceil")
+    x = torch.randn(32, 3, 16, 16)  # 32 x 17 tokens
+    with MX.operand_spy() as seen:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(x).float().sum()
+        loss.backward()
+    assert len(seen) >= 18 * 2 and set(seen) == {torch.bfloat16}, set(seen)
+    mixed = MX.prepare(_three_linears(), "mxfp8_emulated_rceil")
+    with torch.autocast("cpu", torch.bfloat16):
+        assert mixed(torch.randn(32, 64)).dtype == torch.bfloat16
+
+
+def test_check_model_checks_each_converting_rung_against_the_unconverted_model(monkeypatch):
+    from ampbench.precision import mxfp8
+    from ampbench.precision.linear import keeps
+    from ampbench.train import conformance
+    cfg = config.from_dict({"model": {"arch": "vit_tiny"}, "mlflow": {"enabled": False}})
+    rows = {r["check"]: r for r in conformance.check_model(cfg, precisions=("fp32",))["rows"]}
+    for name, layers in (("fp8", 12), ("mxfp8", 18)):
+        row = rows[f"{name} conformance"]
+        assert row["ok"] is True and row["layers"] == layers and row["error"] <= row["tolerance"], row
+        assert f"2 x 2^-4 x sqrt({layers} layers)" in row["detail"]
+        assert "every trainable parameter gets" in row["detail"]
+    assert "casts to MX fp8 take bfloat16" in rows["mxfp8 conformance"]["detail"]
+
+    def torchaos(model, recipe, ends=False):  # the conversion as torchao's quantize_ makes it
+        from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
+        from torchao.quantization import quantize_
+        quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe)),
+                  filter_fn=keeps(model, mxfp8.eligible, ends))
+        return model
+    monkeypatch.setattr(mxfp8, "convert", torchaos)
+    row = {r["check"]: r for r in conformance.check_model(cfg, precisions=("fp32",))["rows"]}["mxfp8 conformance"]
+    assert row["ok"] is False and "get no gradient, e.g. encoder.layers.encoder_layer_0.mlp.0.bias" in row["detail"]
+    assert "casts to MX fp8 take float32, and its CUDA kernels take bfloat16 only" in row["detail"], row["detail"]

@@ -123,6 +123,7 @@ def check(params: Path, last_data_source: Path) -> Checked:
     source = models.source_record(cfg.model)  # the factory imported and hashed once, for the plans and the sweep
     plans = {name: runplan.make_plan(cfg, name, device, source["factory_source"], where, workers)
              for name in cfg.variants}
+    machine.check_recipes(device, info, plans)
     machine.check_distributed(cfg.distributed, device, info, {p.grad_comm for p in plans.values() if p.ddp})
     models.check_unused(model, cfg.model, cfg.distributed, any(p.ddp for p in plans.values()))
     censuses, census_warnings = census(cfg, device, size, desc["num_classes"])

@@ -14,6 +14,7 @@ import platform
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import torch
 
@@ -196,6 +197,34 @@ def resolve_device(requested: str, info: dict, precisions: set[str]) -> str:
         if reason:
             raise EnvironmentMismatch(reason)
     return device
+
+
+VALIDATED = Path("benchmarks") / "results" / "gpu_validate" / "results.json"  # make gpu-validate's record
+
+
+def validated_recipes(info: dict, root: Path | None = None) -> set[str]:
+    """The fp8 recipes whose GEMM `make gpu-validate` ran on this machine's GPU (by name), as its record in the
+    repository (``root``, the working directory by default) says; none without one."""
+    try:
+        found = json.loads(((root or Path.cwd()) / VALIDATED).read_text())
+    except (OSError, ValueError):
+        return set()
+    if ((found.get("env") or {}).get("gpu") or {}).get("name") != (info.get("gpu") or {}).get("name"):
+        return set()
+    figure = (((found.get("checks") or {}).get("fp8_gemms") or {}).get("figure") or {})
+    return {r for r, ran in (figure.get("recipes") or {}).items() if ran is True}
+
+
+def check_recipes(device: str, info: dict, plans: dict, root: Path | None = None) -> None:
+    """Stop before anything starts when a variant's recipe cannot be trusted on this GPU (``plans``: variant ->
+    RunPlan), with the fix."""
+    if device != "cuda" or not info.get("gpu"):
+        return
+    validated = validated_recipes(info, root)
+    for name, plan in sorted(plans.items()):
+        reason = precision.rung(plan.precision).gpu_refuses(plan.recipe, info["gpu"], validated)
+        if reason:
+            raise EnvironmentMismatch(f"params.yaml: variants.{name}: {reason}")
 
 
 def check_distributed(cfg, device: str, info: dict, grad_comms: set[str]) -> None:

@@ -10,6 +10,10 @@ utilisation and memory it samples the SM clock, the temperature and the power: v
 and a GPU that heats up and throttles during the later ones would skew the comparison; power over throughput
 gives the energy per image. A reading NVML cannot give (a MIG slice has no utilisation counter, for one) is
 left empty, and ``gpu_unavailable`` names it, instead of stopping the sampler.
+
+Each sample carries the phase the training was in (``set_phase``: ``timed`` steps, ``warmup`` steps, ``other``:
+evaluation, the profile, the set-up), and the clock, power and energy figures are the timed steps' alone: an
+evaluation's boost clock or an idle GPU between phases is not the steady state the throughput was measured in.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import psutil
 
 BUSY_PERCENT = 50  # a sample of a working GPU: its utilisation at least this
 
-COLUMNS = ["t_s", "process_cpu_percent", "process_rss_bytes", "system_memory_percent", "gpu_util_percent",
+COLUMNS = ["t_s", "phase", "process_cpu_percent", "process_rss_bytes", "system_memory_percent", "gpu_util_percent",
            "gpu_memory_used_bytes", "gpu_sm_clock_mhz", "gpu_temperature_c", "gpu_power_w", "gpu_unavailable"]
 
 
@@ -79,14 +83,26 @@ def gpu_readings(nvml, handle) -> dict:
 MAX_ROWS = 2048  # system.csv's rows (and MLflow's points per metric), however long the run: every other one is
 # dropped each time they reach it, so a 24-hour run at 2 samples a second keeps one row every 128 samples
 SUMMARIZED = ("gpu_sm_clock_mhz", "gpu_util_percent", "gpu_temperature_c", "gpu_power_w")  # kept for every sample
+TIMED = "timed"  # the phase of the timed training steps, whose samples the summary reads
+_phase = "other"  # what the training is doing now: set_phase, read by the sampling thread
+
+
+def set_phase(name: str) -> None:
+    """Tag the samples from now on with ``name`` (``timed``, ``warmup``, ``other``)."""
+    global _phase
+    _phase = name
 
 
 def summary(rows: list[dict], imgs_per_s: float | None, samples: dict | None = None) -> dict:
-    """Median SM clock, temperature and power over the samples, and the energy per image they imply: over every
-    sample taken when ``samples`` (``SystemMonitor.samples``, one value per sample, NaN where none was read)
-    is given, else over ``rows``."""
+    """Median SM clock, temperature and power over the timed steps' samples (all of them when none is tagged
+    timed: an older run), and the energy per image they imply: over every sample taken when ``samples``
+    (``SystemMonitor.samples``, one value per sample, NaN where none was read) is given, else over ``rows``."""
     if samples is None:
         samples = {k: [float(r[k]) if r.get(k) not in (None, "") else math.nan for r in rows] for k in SUMMARIZED}
+        samples["timed"] = [1.0 if r.get("phase") == TIMED else 0.0 for r in rows]
+    timed = list(samples.get("timed") or ())
+    if any(timed):
+        samples = {k: [v for v, t in zip(samples[k], timed, strict=True) if t] for k in SUMMARIZED}
 
     def median(key):
         values = [v for v in samples.get(key, ()) if not math.isnan(v)]
@@ -110,7 +126,7 @@ class SystemMonitor:
 
     def __init__(self, interval_s: float = 0.5, gpu_uuid: str | None = None):
         self.interval_s, self.gpu_uuid, self.rows = interval_s, gpu_uuid, []
-        self.samples = {k: array("d") for k in SUMMARIZED}
+        self.samples = {k: array("d") for k in (*SUMMARIZED, "timed")}
         self._taken, self._every = 0, 1  # samples so far; one row kept every this many
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ampbench-sysmon", daemon=True)
@@ -124,7 +140,8 @@ class SystemMonitor:
             no_gpu["gpu_unavailable"] = "NVML: not installed (pip install nvidia-ml-py) or no GPU with this UUID"
         t0 = time.perf_counter()
         while not self._stop.wait(self.interval_s):
-            row = {"t_s": round(time.perf_counter() - t0, 3), "process_cpu_percent": proc.cpu_percent(None),
+            row = {"t_s": round(time.perf_counter() - t0, 3), "phase": _phase,
+                   "process_cpu_percent": proc.cpu_percent(None),
                    "process_rss_bytes": proc.memory_info().rss,
                    "system_memory_percent": psutil.virtual_memory().percent}
             row.update(gpu_readings(nvml, handle) if handle is not None else no_gpu)
@@ -132,9 +149,10 @@ class SystemMonitor:
 
     def add(self, row: dict) -> None:
         """One sample: its summarized readings always, the row itself when it falls on the kept rows' stride."""
-        for k, values in self.samples.items():
+        for k in SUMMARIZED:
             v = row.get(k)
-            values.append(math.nan if v is None else float(v))
+            self.samples[k].append(math.nan if v is None else float(v))
+        self.samples["timed"].append(1.0 if row.get("phase") == TIMED else 0.0)
         if self._taken % self._every == 0:
             self.rows.append(row)
             if len(self.rows) >= MAX_ROWS:  # every other row goes, and from now on one in twice as many is kept

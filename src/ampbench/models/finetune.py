@@ -106,34 +106,42 @@ def _fetch(cfg: ModelConfig, weights) -> Path:
     return path
 
 
+HEADS = (nn.Linear, nn.Conv2d)  # a classification layer: a Linear, or a convolution (SqueezeNet's 1x1 classifier)
+
+
 def final_linear(model: nn.Module, image_size: int) -> str:
-    """The name of the model's final classification layer: the last ``nn.Linear`` its forward pass runs (found by
-    hooks on one image), else the last one it holds."""
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if not linears:
+    """The name of the model's final classification layer: the last ``nn.Linear`` or ``nn.Conv2d`` its forward pass
+    runs (found by hooks on one image; a convolution is SqueezeNet's classifier), else the last one it holds."""
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, HEADS)]
+    if not layers:
         raise ConfigError("params.yaml: model.freeze = [backbone] needs the model's final classification layer, an "
-                          "nn.Linear, and the model has none; name the prefixes to freeze instead")
+                          "nn.Linear or nn.Conv2d, and the model has none; name the prefixes to freeze instead")
     called: list[str] = []
-    handles = [m.register_forward_hook(lambda mod, i, o, n=n: called.append(n)) for n, m in linears]
+    handles = [m.register_forward_hook(lambda mod, i, o, n=n: called.append(n)) for n, m in layers]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     was = model.training
     try:
         with torch.no_grad():
             model.eval()(torch.zeros(1, 3, image_size, image_size, device=device))
-    except Exception:  # a model that cannot take this size here: the last Linear it holds
+    except Exception:  # a model that cannot take this size here: the last such layer it holds
         called = []
     finally:
         model.train(was)
         for h in handles:
             h.remove()
-    return called[-1] if called else linears[-1][0]
+    return called[-1] if called else layers[-1][0]
 
 
 def _replace(model: nn.Module, name: str, num_classes: int) -> None:
+    """The layer ``name`` made anew (freshly initialised, as torchvision's builder would) for ``num_classes``."""
     old = model.get_submodule(name)
     parent, _, child = name.rpartition(".")
-    new = nn.Linear(old.in_features, num_classes, bias=old.bias is not None,
-                    device=old.weight.device, dtype=old.weight.dtype)
+    like = {"bias": old.bias is not None, "device": old.weight.device, "dtype": old.weight.dtype}
+    if isinstance(old, nn.Linear):
+        new = nn.Linear(old.in_features, num_classes, **like)
+    else:
+        new = nn.Conv2d(old.in_channels, num_classes, old.kernel_size, old.stride, old.padding, old.dilation,
+                        padding_mode=old.padding_mode, **like)
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
@@ -189,10 +197,11 @@ def _unwrapped(state: dict, own: dict) -> dict:
 def _head(model: nn.Module, cfg: ModelConfig, image_size: int) -> str:
     """The final classification layer, for weights trained for another number of classes; the fix when the model
     has no Linear to make anew."""
-    if not any(isinstance(m, nn.Linear) for m in model.modules()):
+    if not any(isinstance(m, HEADS) for m in model.modules()):
         raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r} has a final layer for another number of "
-                          f"classes, and {cfg.factory or cfg.arch} has no Linear classification layer that ampbench "
-                          "can make anew; load the weights in a factory (model.factory) and replace the head there")
+                          f"classes, and {cfg.factory or cfg.arch} has no Linear or Conv2d classification layer that "
+                          "ampbench can make anew; load the weights in a factory (model.factory) and replace the head "
+                          "there")
     return final_linear(model, image_size)
 
 

@@ -93,6 +93,11 @@ class Rung:
     def check(self, variant: str, recipe: str | None, device: str) -> None:
         """A ConfigError if this rung cannot run ``recipe`` on ``device`` (before anything is written)."""
 
+    def gpu_refuses(self, recipe: str | None, gpu: dict, validated: set[str]) -> str | None:
+        """Why ``gpu`` (env.json's) cannot be trusted to run ``recipe`` of this rung, which ``validated`` (the
+        recipes ``make gpu-validate`` ran on this card) may lift; None where it can."""
+        return None
+
     def images_multiple(self, census: dict, device: str) -> int:
         """The least number of images a micro-batch of a converted model must be a multiple of on ``device``."""
         return 1

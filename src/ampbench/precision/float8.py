@@ -120,6 +120,19 @@ class Float8(LinearRung):
                               "high-precision gradient GEMM fails under CPU bf16 autocast); use "
                               f"{' or '.join(self.cpu_recipes)} here, or run on a GPU")
 
+    def gpu_refuses(self, recipe: str | None, gpu: dict, validated: set[str]) -> str | None:
+        """Rowwise scaling on compute capability 12.x (RTX 5090, RTX PRO 6000): cuBLAS' rowwise-scaled fp8 kernels
+        are built for 8.9, 9.x and 10.x, and upstream reports "Rowwise scaling is not currently supported" on 12.x;
+        allowed there once `make gpu-validate` has run a rowwise GEMM on the card."""
+        recipe = recipe or self.default_recipe
+        if not recipe.startswith("rowwise") or not str(gpu.get("capability", "")).startswith("12.") \
+                or "rowwise" in validated:
+            return None
+        return (f"fp8 recipe {recipe!r} on {gpu['name']} (compute capability {gpu['capability']}): cuBLAS' rowwise-"
+                "scaled fp8 GEMMs are built for compute capability 8.9, 9.x and 10.x, and on 12.x they are reported "
+                "to fail (\"Rowwise scaling is not currently supported\"); use recipe: tensorwise, or run `make "
+                "gpu-validate` on this card: where its fp8 check runs a rowwise GEMM, env_check allows it")
+
     def warnings(self, census: dict, compiled: bool, device: str, model_name: str) -> list[str]:
         out = [] if census["called"] else [self.no_layer(model_name)]
         if census["called"] and max(census["widest"]) < SMALL_GEMM:

@@ -62,6 +62,22 @@ class LinearRung(Rung):
     reach: str = "it calls"               # which Linear layers count: those a forward calls, or whose weight it uses
     format_how: str = ""                  # the format's words in the report, after its name
     census_how: str = ""                  # how the census found the layers, for the report
+    mantissa_bits: int = 3                # e4m3, what a converted GEMM's operands keep: its conformance tolerance
+    operand_dtypes: tuple[str, ...] = ()  # the dtypes its CUDA casts to the low format take (): any float
+
+    def tolerance(self, layers: int) -> tuple[float, str]:
+        """How far a converted model's logits may be from the unconverted one's (relative, in norm), and its
+        derivation: each converted GEMM rounds both operands to ``mantissa_bits`` (unit roundoff u = 2^-(m+1);
+        a block or tensor scale is a power of two, which rounds nothing), so its output is off by about 2u
+        relative; ``layers`` such GEMMs in turn, their rounding independent, add up as sqrt(layers)."""
+        u = self.mantissa_bits + 1
+        return 2 * 2.0 ** -u * math.sqrt(max(layers, 1)), f"2 x 2^-{u} x sqrt({layers} layers)"
+
+    def operand_spy(self):
+        """A context that yields a list, filled with the dtype of every tensor the rung casts to its low format
+        while it is open (the conformance check's); none by default."""
+        import contextlib
+        return contextlib.nullcontext([])
 
     def wgrad_low(self, recipe: str | None) -> bool:
         """Whether ``recipe`` runs the weight's gradient GEMM in the low format (then the rows rule holds)."""

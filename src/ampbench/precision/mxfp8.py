@@ -11,7 +11,9 @@ runs). torchao's MX kernels run on compute capability 10.x (B200); on 12.x (RTX 
 measured here, so the rung and its datasheet column are n/a there until they are.
 
 Unlike fp8's ``Float8Linear``, MX wraps the layer's weight: every ``F.linear`` on it runs in MX, also where a parent
-uses the weight directly (torchvision's attention with ``out_proj``).
+uses the weight directly (torchvision's attention with ``out_proj``). torchao's wrapper (``MXFP8TrainingWeightWrapper
+Tensor``) takes over ``F.linear`` before autocast and drops its ``bias``; ampbench's (``MXWeight``) adds the bias and
+casts both operands to autocast's dtype first, as autocast does for a Linear (MX's CUDA casts take bf16 only).
 """
 
 from __future__ import annotations
@@ -31,13 +33,63 @@ def eligible(module, fqn: str = "") -> bool:
     return isinstance(module, nn.Linear) and module.in_features % BLOCK == 0 and module.out_features % BLOCK == 0
 
 
+def _weight_class():
+    """``MXWeight``: torchao's MX weight wrapper, whose ``F.linear`` keeps the bias and autocast's cast (made once, on
+    first use: torchao is imported only by a run that converts)."""
+    global MXWeight
+    if MXWeight is not None:
+        return MXWeight
+    import torch
+    from torchao.prototype.moe_training.tensor import MXFP8TrainingWeightWrapperTensor
+    from torchao.prototype.moe_training.utils import unwrap_weight
+
+    class _MXWeight(MXFP8TrainingWeightWrapperTensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if getattr(func, "__name__", "") != "linear" or len(args) < 2 or not isinstance(args[1], cls):
+                return super().__torch_function__(func, types, args, kwargs)
+            x, weight = args[0], unwrap_weight(args[1])
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            kind = x.device.type
+            if torch.is_autocast_enabled(kind):  # what autocast does to F.linear, which this call comes before
+                dtype = torch.get_autocast_dtype(kind)
+                x, weight = x.to(dtype), weight.to(dtype)
+                bias = bias.to(dtype) if bias is not None else None
+            config = args[1].config
+            with torch.autocast(kind, enabled=False):
+                out = _to_mxfp8_then_scaled_mm(x, weight, kernel_preference=config.kernel_preference,
+                                               scale_calculation_mode=config.scale_calculation_mode,
+                                               wgrad_with_hp=config.wgrad_with_hp)
+                return out if bias is None else out + bias.to(out.dtype)
+
+    from torchao.prototype.moe_training.mxfp8_linear import _to_mxfp8_then_scaled_mm
+    _MXWeight.__name__ = _MXWeight.__qualname__ = "MXWeight"  # importable by name (pickle, deepcopy): this module's
+    MXWeight = _MXWeight
+    return MXWeight
+
+
+MXWeight = None
+
+
+def __getattr__(name):
+    if name == "MXWeight":
+        return _weight_class()
+    raise AttributeError(name)
+
+
 def convert(model, recipe: str, ends: bool = False):
-    """torchao's MX training on ``model``'s eligible Linear layers (less its ends, unless ``ends``), in place, with
-    ``recipe``."""
+    """MX training on ``model``'s eligible Linear layers (less its ends, unless ``ends``), in place, with ``recipe``:
+    each one's weight wrapped in ``MXWeight`` with torchao's config for it; its bias stays a plain parameter."""
+    from torch import nn
     from torchao.prototype.moe_training.config import MXFP8TrainingOpConfig, MXFP8TrainingRecipe
-    from torchao.quantization import quantize_
-    quantize_(model, MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe)),
-              filter_fn=keeps(model, eligible, ends))
+    config = MXFP8TrainingOpConfig.from_recipe(MXFP8TrainingRecipe(recipe))
+    wrap = _weight_class()
+    take = keeps(model, eligible, ends)
+    for name, module in list(model.named_modules()):
+        if take(module, name):
+            w = module.weight
+            module.weight = nn.Parameter(wrap(w.data, config), requires_grad=w.requires_grad)
     return model
 
 
@@ -117,6 +169,27 @@ class MXFP8(LinearRung):
     def wgrad_low(self, recipe: str | None) -> bool:
         return not _wgrad_in_bf16(recipe or self.default_recipe)
 
+    def operand_spy(self):
+        """Every tensor MX quantizes (``MXTensor.to_mx``: the emulated recipe's casts, and the path of the CUDA
+        ones), its dtype recorded."""
+        import contextlib
+
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+        @contextlib.contextmanager
+        def spying():
+            seen, real, attr = [], MXTensor.to_mx, MXTensor.__dict__["to_mx"]
+
+            def to_mx(data_hp, *args, **kwargs):
+                seen.append(data_hp.dtype)
+                return real(data_hp, *args, **kwargs)
+            MXTensor.to_mx = staticmethod(to_mx)
+            try:
+                yield seen
+            finally:
+                MXTensor.to_mx = attr
+        return spying()
+
     def peak_column(self, op_dtype: str, row: dict) -> str | None:
         return self.datasheet if op_dtype.startswith("float8") else super().peak_column(op_dtype, row)
 
@@ -176,7 +249,7 @@ RUNGS = [
     MXFP8("mxfp8", "MXFP8", autocast="bfloat16", datasheet="mxfp8",
           recipes=("mxfp8_rceil", "mxfp8_rceil_wgrad_with_hp", EMULATED), cpu_recipes=(EMULATED,),
           emulated_on_cpu=True, always_counted=False, in_ladder=False, multiple=BLOCK, format_name="MX fp8",
-          fast_compiled=True,
+          fast_compiled=True, operand_dtypes=("bfloat16",),  # the Triton dim-0 cast asserts bf16
           rows_rule_on_cpu=True, rows_why=f"MX scales blocks of {BLOCK} values along them",
           reach="it multiplies by",
           format_how=f" (e4m3 in blocks of {BLOCK} with a shared power-of-two scale, in all three GEMMs)"),

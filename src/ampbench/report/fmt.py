@@ -78,6 +78,12 @@ def precision(row: dict) -> str:
     return f"{row['precision']} (eager)" if row.get("eager") else str(row["precision"])
 
 
+def activations(r: dict) -> str:
+    """A variant's activation bytes; "(eager)" after those of a compiled run, which the probe counts on the eager
+    model (Inductor may save fewer, or other, tensors for the backward)."""
+    return size(r.get("activation_bytes")) + (" (eager)" if r.get("compiled") else "")
+
+
 def eager_note(summary: dict) -> list[str]:
     """What an eager figure means, once, where any variant's is."""
     eager = [n for n, r in summary["variants"].items() if r.get("eager")]

@@ -19,7 +19,7 @@ def memory(summary: dict, env: dict, runs: dict) -> list[str]:
         lines.append(f"| {name} | {r.get('mem_meter') or 'missing'} | {fmt.size(r['peak_mem_bytes'])} | {reserved} "
                      f"| {cuda_only or fmt.size(r.get('first_step_peak_mem_bytes'))} "
                      f"| {cuda_only or fmt.size(r.get('eval_peak_mem_bytes'))} "
-                     f"| {fmt.size(r['activation_bytes'])} | {fmt.size(r.get('param_bytes'))} "
+                     f"| {fmt.activations(r)} | {fmt.size(r.get('param_bytes'))} "
                      f"| {fmt.size(r.get('grad_bytes'))} | {fmt.size(r.get('optimizer_state_bytes'))} "
                      f"| {fmt.size(r.get('dataset_bytes'))} |")
     return lines + [
@@ -31,7 +31,8 @@ def memory(summary: dict, env: dict, runs: dict) -> list[str]:
         "process's peak RSS, which counts "
         "the interpreter and the data set too. Activations: bytes saved for backward, counted with "
         "saved-tensor hooks, each storage once; this is where fp16 saves memory, and it is comparable "
-        "across devices. Parameters, gradients and the optimizer's state "
+        "across devices (a compiled variant's, marked eager, are the eager model's: Inductor may save fewer). "
+        "Parameters, gradients and the optimizer's state "
         f"({_state_kept(summary)}) stay fp32 in every variant. The data "
         "set lives on the device (uint8, padded for cropping) and is part of every variant's peak.", "",
         *not_made(summary, "activations"), *_optimizer_state_outweighs(summary)]

@@ -78,7 +78,7 @@ def results(summary: dict, env: dict, runs: dict) -> list[str]:
         vs_tf32 = fmt.times(r["vs_tf32"]) if r.get("vs_tf32") is not None else "n/a"
         lines.append(
             f"| {name} | {fmt.precision(r)} | {r['accum_steps']} | {_imgs_per_s(r)} | {_speedup(r)} | {vs_tf32} "
-            f"| {fmt.size(r['peak_mem_bytes'])} | {fmt.change(r.get('mem_ratio'))} | {fmt.size(r['activation_bytes'])} "
+            f"| {fmt.size(r['peak_mem_bytes'])} | {fmt.change(r.get('mem_ratio'))} | {fmt.activations(r)} "
             f"| {fmt.change(r.get('activation_ratio'))} | {_tflops(r)} | {fmt.num(r['epoch_time_s'], '.1f')} s "
             f"| {_accuracy(r)} | {fmt.points(r.get('acc_diff'))} |")
     lines.append("")
@@ -308,6 +308,19 @@ def steadiness(summary: dict, env: dict, runs: dict) -> list[str]:
             lines.append(f"| {name} | {fmt.precision(r)} | {fmt.times(got['median'])} | "
                          + ", ".join(fmt.ratio(x) for x in got["rounds"])
                          + f" | {got.get('claim') or 'none'} | {fmt.times(r.get('speedup'))} |")
+    compiled = [(n, r["paired_compiled"]) for n, r in rows.items() if r.get("paired_compiled")]
+    if compiled:
+        lines += ["", f"Both compiled: {', '.join(f'`{n}`' for n, _ in compiled)} compiles (torch.compile) and the "
+                  "baseline does not, so its ratio to eager fp32 counts Inductor's fusion of every op besides the "
+                  "precision; strict fp32 and bf16 compiled the same way took windows in the same turns "
+                  f"({', '.join(p.get('controls') or [])}):", "",
+                  "| variant | vs fp32, both compiled | rounds | claim | vs bf16, both compiled | vs eager fp32 |",
+                  "|---|---|---|---|---|---|"]
+        for n, both in compiled:
+            c, b = both.get("fp32") or {}, both.get("bf16") or {}
+            lines.append(f"| {n} | {fmt.times(c.get('median'))} | " + ", ".join(fmt.ratio(x) for x in c.get(
+                "rounds", [])) + f" | {c.get('claim') or 'none'} | {fmt.times(b.get('median'))} | "
+                f"{fmt.times((rows[n].get('paired') or {}).get('median'))} |")
     lines += [""] + [f"Not in the paired check: `{n}` ({why})." for n, why in (p.get("not_made") or {}).items()]
     return lines + ([""] if p.get("not_made") else [])
 

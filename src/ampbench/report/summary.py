@@ -136,6 +136,7 @@ def _variant(name: str, run: dict, base: dict | None, target_acc: float, tf32: d
     row["profile"] = m.get("profile")
     rung = precision.RUNGS.get(m.get("precision"))
     row["eager"] = bool(rung and rung.fast_compiled and not m.get("compiled"))  # fp8 measured uncompiled
+    row["compiled"] = bool(m.get("compiled"))  # its activation bytes are still the eager model's
     if target_acc:
         reached = time_to_accuracy(run["history"], target_acc)
         row["time_to_target_s"], row["time_to_target_epoch"] = reached or (None, None)
@@ -192,6 +193,9 @@ def paired(found: dict | None, rows: dict[str, dict]) -> dict | None:
         got = (found.get("vs_fp32") or {}).get(name)
         if got:
             r["paired"] = got
+        both = (found.get("vs_compiled") or {}).get(name)
+        if both:
+            r["paired_compiled"] = both  # against strict fp32 and bf16 compiled the same way
     return found
 
 

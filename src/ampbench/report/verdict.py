@@ -60,6 +60,9 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
         return f"was no faster than FP32 ({fmt.times(sp)}{ci})", None
     stage = f"its stage ran at {fmt.times(sp)} strict FP32's throughput{ci}"
     p = r.get("paired")
+    both = r.get("paired_compiled") or {}
+    if p and both.get("fp32"):  # it compiles and FP32 does not: like with like is both compiled
+        return _compiled(both, p, stage, summary)
     if p:
         rounds = f"{len(p['rounds'])} rounds in turns in one process, from {fmt.ratio(p['lo'])} to {fmt.ratio(p['hi'])}"
         said = {"faster": f"trained {fmt.times(p['median'])} faster than strict FP32 in the paired check ({rounds})",
@@ -80,6 +83,26 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
         why = "set train.repeats: 2 or more for a claim (the paired check times one process without accumulation)"
     return f"ran at {fmt.times(sp)} strict FP32's throughput{ci}: one run each, not enough to call it faster or " \
            f"slower; {why}", None
+
+
+def _compiled(both: dict, p: dict, stage: str, summary: dict) -> tuple[str, str | None]:
+    """A compiled variant's words: its ratio to strict FP32 compiled the same way (the claim), to bf16 compiled,
+    and the eager baseline's beside them."""
+    c = both["fp32"]
+    rounds = f"{len(c['rounds'])} rounds in turns in one process, from {fmt.ratio(c['lo'])} to {fmt.ratio(c['hi'])}"
+    said = {"faster": f"trained {fmt.times(c['median'])} faster than strict FP32, both compiled, in the paired check",
+            "slower": f"was slower than FP32, both compiled, in the paired check: {fmt.times(c['median'])} its "
+                      "throughput"}.get(c.get("claim"))
+    if said is None:
+        enough = len(c["rounds"]) >= summary["paired"].get("claim_rounds", 6)
+        said = (f"was no faster than strict FP32, both compiled, in the paired check ({fmt.times(c['median'])}"
+                + ("" if enough else f"; {summary['paired'].get('claim_rounds', 6)} rounds agreeing are needed to "
+                   "call it faster or slower") + ")")
+    text = f"{said} ({rounds})"
+    if both.get("bf16"):
+        text += f", {fmt.times(both['bf16']['median'])} bf16 compiled"
+    return (f"{text}; against eager FP32 (the compilation's fusion counted in) {fmt.times(p['median'])}; {stage}",
+            c.get("claim"))
 
 
 def _memory(r: dict) -> str:

@@ -57,12 +57,16 @@ class Bench:
                              shuffle=True, channels_last=self.cfg.model.channels_last, seed=self.cfg.seed,
                              out_size=self.input_size)
 
-    def run(self, batch: int, steps: int, feed: DeviceBatches | None = None, warmup: int = WARMUP) -> clock.StepClock:
-        """``warmup`` untimed then ``steps`` timed optimizer steps at ``batch``, on the trainer's clock."""
+    def run(self, batch: int, steps: int, feed: DeviceBatches | None = None, warmup: int = WARMUP,
+            after_warmup=None) -> clock.StepClock:
+        """``warmup`` untimed then ``steps`` timed optimizer steps at ``batch``, on the trainer's clock;
+        ``after_warmup()`` called between them."""
         feed = feed or self.batches(batch)
         timer = clock.StepClock(self.device, warmup)
         timer.begin()
         for i in range(warmup + steps):
+            if i == warmup and after_warmup is not None:
+                after_warmup()
             with timer.data():
                 x, y = next(feed.epoch(i))
             with timer.compute():
@@ -72,8 +76,17 @@ class Bench:
         timer.end()
         return timer
 
+    def compile_afresh(self) -> None:
+        """A compiled step model compiles again, for the batch it meets next: without this dynamo would compile
+        the first batch static, mark the batch dynamic at the second, and run every later batch through one
+        symbolic graph, which is not what a training run at that batch runs (a reset, not ``dynamic=False``: that
+        would hit the recompile limit over a largest-batch search and fall back to eager without a word)."""
+        if self.plan.train.compile:
+            torch._dynamo.reset()
+
     def try_step(self, batch: int) -> None:
         """One optimizer step at ``batch``, waited for, so that an error of its kernels surfaces here."""
+        self.compile_afresh()
         x, y = next(self.batches(batch).epoch(0))
         step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, batch,
                         clip=self.cfg.train.clip_grad_norm)
@@ -87,17 +100,28 @@ class Bench:
             torch.cuda.empty_cache()
 
     def point(self, batch: int, steps: int) -> dict:
+        """The timed steps at ``batch``: their rate and, on CUDA, their peak memory (the counters reset after the
+        warm-up steps, as training's are: cuDNN's autotuning and a compilation are not the steady state); then the
+        activation probe, with the gradients freed first. A probe that fails is the probe's (no bytes, said): the
+        point's steps ran."""
+        self.compile_afresh()
         memory.reset_peak_memory(self.device)
         feed = self.batches(batch)
-        timed = self.run(batch, steps, feed)
-        x, _ = next(feed.epoch(0))
+        peaks = memory.PeakWindows(self.device)
+        timed = self.run(batch, steps, feed, after_warmup=lambda: peaks.open("train"))
+        peaks.close()
         ips = timed.imgs_per_s()
         out = {"precision": self.precision, "batch_size": batch, "imgs_per_s": ips,
                "imgs_per_s_p10_p90": stats.rate_spread(timed.step_rates()),
                "step_time_ms": stats.summarize_ms(timed.cycle_ms),
-               **memory.peak_memory(self.device),
-               "activation_bytes": probes.activation_bytes(self.model, x, self.policy),
+               **memory.peak_memory(self.device), **peaks.peaks.get("train", {}),
                "achieved_tflops": self.flops_per_image * ips / 1e12 if ips and self.flops_per_image else None}
+        self.free()
+        x, _ = next(feed.epoch(0))
+        out["activation_bytes"], _ = analysis("activations", f"{models.name(self.cfg.model)} ({self.precision}, batch "
+                                              f"{batch})", probes.activation_bytes, self.model, x, self.policy)
+        if self.plan.train.compile:  # the probe runs the eager model: a compiled step saves what Inductor keeps
+            out["activation_meter"] = "eager"
         self.free()
         return out
 

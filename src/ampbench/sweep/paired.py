@@ -14,10 +14,16 @@ window leaves for the next favours one), and each round gives a ratio to the str
 seconds, not stages, apart. The report sets the rounds' median ratio beside the stages' and claims a variant
 faster (slower) than the baseline only where every round says so by more than ``MARGIN``: with 6 rounds chance
 does that with probability 2 x 2^-6 = 3% (a two-sided sign test), so fewer than 6 rounds measure but claim nothing.
+
+A variant that compiles (fp8 and mxfp8 under train.compile: auto on CUDA) while the baseline runs eager would be
+measured against eager fp32, and its ratio would hold Inductor's fusion of every other op besides the precision:
+then strict fp32 and bf16 compiled the same way (``CONTROLS``) take windows in the same turns, and that variant's
+ratios against them, both compiled, are given beside the eager ones (``vs_compiled``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -32,6 +38,34 @@ from ampbench.sweep.bench import Bench
 WARM = 2  # untimed steps at the start of each window: what the window before left behind, worked off
 CLAIM_ROUNDS = 6  # rounds that agree before a ratio is called faster or slower (sign test, two-sided p = 2 x 2^-6)
 MARGIN = 0.02  # a round's ratio within 2% of 1 says neither
+CONTROLS = ("fp32", "bf16")  # compiled control windows, when a variant compiles and the baseline does not
+
+
+def control_name(precision: str) -> str:
+    return f"compiled {precision}"
+
+
+def controls(cfg: Config, plans: dict, device: str) -> dict:
+    """The compiled control windows' plans (``control_name`` -> RunPlan): strict fp32 and bf16 as the sweep runs
+    them, compiled, when a timed variant compiles and the baseline does not; none otherwise."""
+    base = baseline(cfg, list(plans))
+    if base is None or plans[base].train.compile or not any(p.train.compile for p in plans.values()):
+        return {}
+    out = {}
+    for precision in CONTROLS:
+        plan = runplan.for_precision(cfg, precision, device)
+        out[control_name(precision)] = dataclasses.replace(plan, variant=control_name(precision),
+                                                           train=dataclasses.replace(plan.train, compile=True))
+    return out
+
+
+def _ratios(series: list[float], reference: list[float]) -> dict | None:
+    """A variant's round-by-round ratios to a reference's windows of the same rounds: median, range, claim."""
+    ratios = [a / b for a, b in zip(series, reference, strict=True) if a and b]
+    if not ratios:
+        return None
+    return {"median": statistics.median(ratios), "lo": min(ratios), "hi": max(ratios), "rounds": ratios,
+            "claim": claim(ratios)}
 
 
 def variants(cfg: Config) -> list[str]:
@@ -88,8 +122,9 @@ def run_paired(cfg: Config, prepared: dict, device: torch.device) -> dict:
         set_tf32(benches[name].plan.train.allow_tf32)
         return benches[name].run(batch, n, feeds[name], warmup=warmup)
 
-    for name in names:
-        plan = runplan.make_plan(cfg, name, device.type)
+    plans = {name: runplan.make_plan(cfg, name, device.type) for name in names}
+    plans.update(controls(cfg, plans, device.type))
+    for name, plan in plans.items():
         bench, why = analysis("paired", f"{models.name(cfg.model)} ({name}: its setup)", Bench, cfg, prepared,
                               device, plan.precision, plan)
         if bench is None:
@@ -105,7 +140,7 @@ def run_paired(cfg: Config, prepared: dict, device: torch.device) -> dict:
             not_made[name] = first_line(err)
             del benches[name], feeds[name]
     order = list(benches)
-    base = baseline(cfg, order)
+    base = baseline(cfg, [n for n in order if n in cfg.variants])
     rates: dict[str, list[float]] = {n: [] for n in order}
     design = orders(len(order))
     t0 = time.perf_counter()
@@ -118,12 +153,15 @@ def run_paired(cfg: Config, prepared: dict, device: torch.device) -> dict:
     out = {"enabled": True, "device": device.type, "batch": batch, "rounds": rounds, "steps": steps,
            "order": "a Williams design: each variant in every position, and after every other, equally often",
            "claim_rounds": CLAIM_ROUNDS, "margin": MARGIN, "baseline": base,
-           "not_made": not_made, "imgs_per_s": rates, "vs_fp32": {}}
+           "not_made": not_made, "imgs_per_s": rates, "vs_fp32": {}, "vs_compiled": {},
+           "controls": [n for n in plans if n not in names]}
     if base is None and not not_made.get("fp32"):
         out["why_no_ratio"] = "no one-process strict-fp32 variant without accumulation to take ratios against"
     for name, series in rates.items():
-        ratios = [a / b for a, b in zip(series, rates.get(base) or [], strict=True) if a and b]
-        if name != base and ratios:
-            out["vs_fp32"][name] = {"precision": cfg.variants[name].precision, "median": statistics.median(ratios),
-                                    "lo": min(ratios), "hi": max(ratios), "rounds": ratios, "claim": claim(ratios)}
+        got = _ratios(series, rates.get(base) or []) if name != base else None
+        if got:
+            out["vs_fp32"][name] = {"precision": plans[name].precision, **got}
+        if name in names and plans[name].train.compile and out["controls"]:  # both compiled
+            both = {p: _ratios(series, rates.get(control_name(p)) or []) for p in CONTROLS}
+            out["vs_compiled"][name] = {p: r for p, r in both.items() if r}
     return out

@@ -4,7 +4,9 @@
     ampbench check-model models.my_net:build --json out.json
 
 ``check_model(cfg)`` builds the model, finds the input size it takes, counts its roofline on meta tensors, lists
-what fp8 would convert, and runs one optimizer step per precision (the engine's own ``train_step``, on a tiny
+what fp8 would convert, checks each converting rung against the unconverted model (``train.rungcheck``: its
+logits within the rung's tolerance, every gradient there, the dtypes its casts take), and runs one optimizer step per
+precision (the engine's own ``train_step``, on a tiny
 batch of random images, on the CPU unless a GPU is at hand) with the activation meter after it, each part timed.
 The result is a list of rows: ``{"check", "ok", "detail"}``, with ``ok`` None for a part that is information, not
 a pass or fail (the roofline and fp8 are analyses: a model they cannot follow still trains).
@@ -25,7 +27,7 @@ from ampbench.errors import analysis, first_line
 from ampbench.measure import roofline
 from ampbench.models import finetune
 from ampbench.precision import BASELINE, converting, names, rung
-from ampbench.train import probes, setup, step
+from ampbench.train import probes, rungcheck, setup, step
 
 ZOO_GPUS = ("RTX 5090", "H100 SXM")  # the roofline's ratios are given on these (the article's card, a datacenter one)
 STEP_BATCH = 2  # images per checked step: the least a BatchNorm in training mode takes
@@ -82,6 +84,17 @@ def _step(cfg: config.Config, precision: str, size: int, num_classes: int, devic
             "note": note + ("emulated on a CPU: it shows the step runs, not its speed; " if emulated else ""),
             "activations": f"activations {saved / 2**10:,.0f} KiB" if why is None else f"activations not measured "
                                                                                        f"({why})"}
+
+
+def _cannot_run(name: str, device: torch.device) -> str:
+    """Why this machine cannot run rung ``name`` (a GPU without its tensor cores), or ''."""
+    if device.type != "cuda":
+        return ""
+    major, minor = torch.cuda.get_device_capability(device)
+    r = rung(name)
+    if r.gate == "fp8_supported" and (major, minor) < (8, 9):
+        return r.gate_fix
+    return r.unsupported({"name": torch.cuda.get_device_name(device), "capability": f"{major}.{minor}"}) or ""
 
 
 def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device: str = "cpu",
@@ -175,6 +188,24 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
         row(check, True, f"{done['note']}loss {done['loss']:.3f}, step {done['s']:.2f} s (with setup "
                          f"{total_s:.1f} s), batch {batch} at {size}x{size} on {dev.type}; {done['activations']}",
             s=done["s"], activation_bytes=done["activation_bytes"])
+    for name_ in (n for n in converting(names()) if n in batches):  # each converting rung against the model
+        check = f"{name_} conformance"
+        why = no_step or (step_budget_s and fp32_s is not None and fp32_s > step_budget_s
+                          and f"fp32's step took {fp32_s:.0f} s") or _cannot_run(name_, dev)
+        if why:
+            row(check, None, f"not checked: {why}")
+            continue
+        recipe = runplan.recipe(cfg, name_)
+        cpu_recipes = rung(name_).cpu_recipes
+        if dev.type == "cpu" and cpu_recipes and recipe not in cpu_recipes:
+            recipe = cpu_recipes[0]
+        try:
+            ok, detail, figures = rungcheck.check(cfg.model, name_, recipe, size, num_classes, batches[name_], dev,
+                                                  cfg.seed)
+        except Exception as err:
+            row(check, False, first_line(err))
+            continue
+        row(check, ok, f"{recipe}, batch {batches[name_]}: {detail}", **figures)
     tuned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, freeze=("backbone",)))
     for precision in fine_tune:
         check = f"fine-tune {precision}"

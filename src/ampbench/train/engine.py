@@ -25,7 +25,7 @@ from ampbench.config import micro_batch
 from ampbench.data.batches import Batches, DeviceBatches
 from ampbench.data.stream import StreamBatches
 from ampbench.errors import NonFiniteTraining, analysis
-from ampbench.measure import clock, flops, memory
+from ampbench.measure import clock, flops, memory, sysmon
 from ampbench.precision import tf32_flags
 from ampbench.runplan import RunPlan
 from ampbench.train import checkpoint, distributed, ledger, numerics, probes, setup, step
@@ -183,6 +183,7 @@ class Trainer:
         self.peaks.open("train" if self.clock.process_steps >= 1 else "first step")
         with clock.wall_clock(self.device) as wall, contextlib.closing(self.peaks):  # a failure closes it too
             while self.step_in_epoch < self.steps_per_epoch and not self.stop_now():
+                sysmon.set_phase(sysmon.TIMED if self.clock.process_steps >= self.clock.warmup else "warmup")
                 with self.clock.data():
                     x, y = next(batches)
                 with self.clock.compute():
@@ -204,6 +205,7 @@ class Trainer:
                                                          or self.step_in_epoch == self.steps_per_epoch):
                         self.fail("the training loss became inf/NaN")
             ep_images, ep_ms = self.clock.end()  # the last step's cycle ends with the loop, as the others do
+        sysmon.set_phase("other")  # evaluation, the checkpoint, the profile: not the timed steps
         bar.close()
         self.ledger.settle()  # a stop mid-window: before the checkpoint
         if self.step_in_epoch < self.steps_per_epoch:
