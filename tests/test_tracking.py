@@ -189,7 +189,11 @@ def test_mlflow_ui_command_on_a_missing_store_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_mlflow_ui_prints_its_page_once_the_server_answers_and_sigterm_stops_every_process(tmp_path, tmp_mlflow):
+@pytest.mark.parametrize("ending", ["SIGTERM", "SIGHUP", "SIGKILL"])
+def test_mlflow_ui_prints_its_page_once_the_server_answers_and_its_end_stops_every_process(tmp_path, tmp_mlflow,
+                                                                                          ending):
+    """A process manager's SIGTERM, a closed terminal's SIGHUP, and a SIGKILL that no handler sees (the server
+    learns of it from the kernel: PR_SET_PDEATHSIG): the server and its workers go too."""
     import signal
     import urllib.request
 
@@ -217,8 +221,8 @@ def test_mlflow_ui_prints_its_page_once_the_server_answers_and_sigterm_stops_eve
         # without MLflow's GenAI job runners (7 huey consumers): every process of the server started without them
         assert {p.environ().get(tracking.JOBS_ENV) for p in family} == {"false"}
         assert not [p for p in family if "huey" in " ".join(p.cmdline())]
-        ui.send_signal(signal.SIGTERM)
-        assert ui.wait(timeout=60) == 0
+        ui.send_signal(getattr(signal, ending))
+        assert ui.wait(timeout=60) == (-signal.SIGKILL if ending == "SIGKILL" else 0)
         _, alive = psutil.wait_procs(family, timeout=15)
         assert not alive, [p.cmdline() for p in alive]
     finally:

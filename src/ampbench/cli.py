@@ -100,9 +100,11 @@ def mlflow_ui(args) -> None:
     pipeline = tracking.latest_pipeline(uri, exp_id) if exp_id else None
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
                                "--port", str(args.port)], env=tracking.server_env(),
-                              start_new_session=True)  # its own group, all stopped as one
+                              start_new_session=True,  # its own group, all stopped as one
+                              preexec_fn=_stop_with_parent)
     stop = _stopper(server)
     signal.signal(signal.SIGTERM, stop)  # what a process manager sends: the server and its workers go too
+    signal.signal(signal.SIGHUP, stop)  # the terminal closed
     signal.signal(signal.SIGINT, stop)
     try:
         print(f"MLflow UI for {config.redact(uri)}: starting on {base} ...", flush=True)
@@ -131,6 +133,14 @@ def _wait_until_up(server: subprocess.Popen, base: str, timeout: float) -> bool:
             return True
         time.sleep(0.5)
     return False
+
+
+def _stop_with_parent() -> None:
+    """In the server's process before it runs (Linux): SIGTERM when this process dies, even by SIGKILL, which no
+    handler sees, so the server never outlives the command that started it (it stops its workers on SIGTERM)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _stopper(server: subprocess.Popen):
