@@ -25,12 +25,14 @@ def setup(tmp_path_factory):
     data.prepare(config.DataConfig(source="synthetic", train_size=2048, test_size=128), 0, root / "prepared",
                  root / "raw")
     (root / "env.json").write_text(json.dumps({"torch": "x", "cuda_runtime": None, "cpu_model": "cpu", "gpu": None}))
+    (root / "params.yaml").write_text("mlflow: {enabled: false}\n")  # the runs' tracking: the subject is resuming
     return root
 
 
 def _plan(root: Path, name: str, lr: float = 0.1, placement: str = "device") -> Path:
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
-                            "train": {"epochs": 4, "batch_size": 64, "warmup_steps": 2, "lr": lr}})
+                            "train": {"epochs": 4, "batch_size": 64, "warmup_steps": 2, "lr": lr},
+                            "profile": {"steps": 0}})
     path = root / f"{name}.json"
     runplan.write_plan(runplan.make_plan(cfg, "fp32", "cpu", placement=placement, workers=2), path)
     return path
@@ -39,7 +41,7 @@ def _plan(root: Path, name: str, lr: float = 0.1, placement: str = "device") -> 
 def _cmd(root: Path, plan: Path, out: str) -> list[str]:
     return [sys.executable, str(REPO_ROOT / "stages" / "train.py"), "--plan", str(plan), "--data",
             str(root / "prepared"), "--env", str(root / "env.json"), "--out", str(root / out),
-            "--checkpoints", str(root / f"ckpt-{out}")]
+            "--checkpoints", str(root / f"ckpt-{out}"), "--params", str(root / "params.yaml")]
 
 
 def _history(root: Path, out: str) -> list[dict]:
@@ -116,9 +118,10 @@ def test_killed_dvc_repro_resumes_from_the_persisted_checkpoint(tmp_path):
 
     from ampbench import sandbox
     params = sandbox.merge(yaml.safe_load((REPO_ROOT / "params.yaml").read_text()), {
-        "device": "cpu", "data": {"source": "synthetic", "train_size": 4096, "test_size": 128},
+        "device": "cpu", "data": {"source": "synthetic", "train_size": 2048, "test_size": 128},
         "model": {"arch": "small_cnn"}, "train": {"epochs": 4, "batch_size": 64, "warmup_steps": 2},
-        "mlflow": {"enabled": False}, "sweep": {"enabled": False}, "profile": {"steps": 0}})  # lean: resume alone
+        "mlflow": {"enabled": False}, "sweep": {"enabled": False}, "profile": {"steps": 0},
+        "paired": {"enabled": False}})  # lean: resume alone
     params["variants"] = {"fp32": {"precision": "fp32", "accum_steps": 1}}
     repo = sandbox.create(tmp_path / "repo", params)
     cmd = [sys.executable, "-m", "dvc", "repro"]
@@ -134,7 +137,7 @@ def test_killed_dvc_repro_resumes_from_the_persisted_checkpoint(tmp_path):
     again = subprocess.run(cmd, cwd=repo, env=sandbox.env_with_venv(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
     assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
-    assert json.loads((repo / "reports" / "runs" / "fp32" / "metrics.json").read_text())["optimizer_steps"] == 256
+    assert json.loads((repo / "reports" / "runs" / "fp32" / "metrics.json").read_text())["optimizer_steps"] == 128
     assert [p.name for p in (repo / "checkpoints" / "fp32").iterdir()] == ["COMPLETE"]
 
 

@@ -115,13 +115,15 @@ def test_the_roofline_of_an_inference_pass_counts_the_forward_alone(tmp_path, mo
 
 def test_env_check_counts_a_model_once_per_params_and_again_when_they_change(tmp_path, monkeypatch):
     """record_cached: the same params give the stored count without counting; a changed batch, model or GPU name
-    counts again; without a folder nothing is stored."""
+    counts again, the article's ResNet-18 once for all of them; without a folder nothing is stored."""
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "data": {"source": "synthetic"},
                             "train": {"batch_size": 16}})
     shape = {"num_classes": 10, "image_size": 32}
     counts = []
-    monkeypatch.setattr(roofline, "record", lambda c, g, make: counts.append((c.train.batch_size, g)) or
-                        {"batch": c.train.batch_size, "flops": 1.5e9, "gpu": g})  # the count itself: tests above
+    monkeypatch.setattr(roofline, "record", lambda c, g, make, article=None: counts.append((c.train.batch_size, g))
+                        or {"batch": c.train.batch_size, "flops": 1.5e9, "gpu": g, "article": article})
+    articles = []  # the count itself: tests above
+    monkeypatch.setattr(roofline, "article_record", lambda make: articles.append(1) or {"fp16_vs_fp32": 2.5})
     first = roofline.record_cached(cfg, None, shape, tmp_path, optim.for_count)
     assert roofline.record_cached(cfg, None, shape, tmp_path, optim.for_count) == first and counts == [(16, None)]
     other = config.from_dict({**config.to_dict(cfg), "train": {**config.to_dict(cfg)["train"], "batch_size": 32}})
@@ -129,7 +131,8 @@ def test_env_check_counts_a_model_once_per_params_and_again_when_they_change(tmp
     roofline.record_cached(cfg, "NVIDIA H100 80GB HBM3", shape, tmp_path, optim.for_count)
     roofline.record_cached(cfg, None, {**shape, "num_classes": 100}, tmp_path, optim.for_count)
     assert counts == [(16, None), (32, None), (16, "NVIDIA H100 80GB HBM3"), (16, None)]
-    assert len(list(tmp_path.glob("roofline-*.json"))) == 4
+    assert len(list(tmp_path.glob("roofline-*.json"))) == 4 and len(list(tmp_path.glob("article-*.json"))) == 1
+    assert articles == [1] and first["article"] == {"fp16_vs_fp32": 2.5}
     roofline.record_cached(cfg, None, shape, None, optim.for_count)
     assert len(counts) == 5 and len(list(tmp_path.glob("roofline-*.json"))) == 4
 

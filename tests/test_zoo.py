@@ -110,7 +110,9 @@ FAMILIES = {"resnet18": ("fp32",), "regnet_x_400mf": ("fp32", "bf16", "fp16", "f
 
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_check_model_over_the_families(tiny_params, arch):
-    result = conformance.check_model(_cfg(tiny_params, f"tv:{arch}"), precisions=FAMILIES[arch])
+    # the converting rungs' conformance on the models stepped in every precision (at 224, each costs tens of seconds)
+    result = conformance.check_model(_cfg(tiny_params, f"tv:{arch}"), precisions=FAMILIES[arch],
+                                     rungs=len(FAMILIES[arch]) > 1)
     rows = {r["check"]: r for r in result["rows"]}
     needs = {"inception_v3": 80, "vit_b_32": 224, "maxvit_t": 224}.get(arch)
     assert rows["input size"]["ok"] is (needs is None) and result["input_size"] == (needs or 32)
@@ -125,6 +127,10 @@ def test_check_model_over_the_families(tiny_params, arch):
     assert result["ok"] is (needs is None)
     if arch == "mobilenet_v3_small":  # its 576 -> 1024 classifier layer converts; the 1024 -> 10 head does not
         assert rows["fp8 converts"]["layers"] == 1 and "emulated on a CPU" in rows["step fp16"]["detail"]
+    if len(FAMILIES[arch]) == 1:
+        assert rows["mxfp8 conformance"]["detail"] == "not checked: not asked for", rows["mxfp8 conformance"]
+    if arch == "mobilenet_v3_small":
+        assert rows["fp8 conformance"]["ok"] and rows["mxfp8 conformance"]["ok"], result["rows"]
 
 
 def test_check_model_command_prints_the_table_and_exits_non_zero_on_a_failure(tmp_path, tiny_params):

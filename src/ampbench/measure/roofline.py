@@ -131,12 +131,25 @@ def closest_default(conv_flop_share: float) -> str:
 ARTICLE_GPU = "RTX 5090"  # the article's card; its model, ResNet-18 (CIFAR stem), at its batch of 256
 
 
-def record(cfg, gpu_name: str | None, make_optimizer) -> dict:
+def article_record(make_optimizer) -> dict:
+    """The article's ResNet-18 at batch 256, counted in fp32 and fp16: its roofline ratio on an RTX 5090."""
+    from ampbench import config
+    article = config.from_dict({"model": {"arch": "resnet18"}, "data": {"source": "synthetic"},
+                                "train": {"batch_size": 256}})
+    ops = for_config(article, make_optimizer, 256, ("fp32", "fp16"))["ops"]
+    return _article(ops)
+
+
+def _article(ops: dict) -> dict:
+    ratio = table({p: ops[p] for p in ("fp32", "fp16")}, find_gpu(ARTICLE_GPU), 256)["fp16"]["vs_fp32"]
+    return {"gpu": ARTICLE_GPU, "model": "resnet18", "batch": 256, "fp16_vs_fp32": ratio}
+
+
+def record(cfg, gpu_name: str | None, make_optimizer, article: dict | None = None) -> dict:
     """What env_check writes as roofline.json for the report: the model's step counted per precision (fp8 only
     when a variant trains in it), its table on this GPU (when the datasheet has it), and the article's ResNet-18
-    at batch 256 on an RTX 5090; ``make_optimizer(params, train)``: the optimizer of a train section, on meta
-    tensors (``opcount.for_config``)."""
-    from ampbench import config
+    at batch 256 on an RTX 5090 (``article``: ``article_record``'s, counted already); ``make_optimizer(params,
+    train)``: the optimizer of a train section, on meta tensors (``opcount.for_config``)."""
     from ampbench.measure.flops import datasheet_row
     from ampbench.precision import names, rung
 
@@ -150,12 +163,8 @@ def record(cfg, gpu_name: str | None, make_optimizer) -> dict:
     if row:
         out["gpu"] = {"name": row["name"], "source": row["source"], "bandwidth_gbps": row["bandwidth_gbps"],
                       "table": table(found["ops"], row, found["batch"])}
-    article = config.from_dict({"model": {"arch": "resnet18"}, "data": {"source": "synthetic"},
-                                "train": {"batch_size": 256}})
     same = (cfg.model.arch, cfg.model.factory, found["batch"], found["input_size"]) == ("resnet18", "", 256, 32)
-    ops = found["ops"] if same else for_config(article, make_optimizer, 256, ("fp32", "fp16"))["ops"]
-    ratio = table({p: ops[p] for p in ("fp32", "fp16")}, find_gpu(ARTICLE_GPU), 256)["fp16"]["vs_fp32"]
-    out["article"] = {"gpu": ARTICLE_GPU, "model": "resnet18", "batch": 256, "fp16_vs_fp32": ratio}
+    out["article"] = _article(found["ops"]) if same else article or article_record(make_optimizer)
     return out
 
 
@@ -176,21 +185,28 @@ def record_cached(cfg, gpu_name: str | None, shape: dict, folder, make_optimizer
         return record(cfg, gpu_name, make_optimizer)
     here = Path(__file__).resolve()
     optimizer_code = Path(sys.modules[make_optimizer.__module__].__file__).resolve()  # the optimizer's entry too
-    key = hashlib.sha256(json.dumps({
+    code = source_digest(source_files(here) + [here, optimizer_code])
+
+    def cached(name: str, parts: dict, make):
+        key = hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        path = Path(folder) / f"{name}-{key}.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+        out = make()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(out, sort_keys=True))
+        for old in sorted(path.parent.glob(f"{name}-*.json"), key=lambda p: p.stat().st_mtime)[:-8]:
+            old.unlink(missing_ok=True)  # the last 8 counts are kept
+        return out
+
+    def article():  # depends on nothing of the user's: counted once per torch and counter
+        return cached("article", {"torch": torch.__version__, "code": code}, lambda: article_record(make_optimizer))
+
+    return cached("roofline", {
         "model": config.to_dict(cfg.model), "model_source": models.source_hash(cfg.model), "shape": shape,
         "train": config.to_dict(cfg.train), "precisions": sorted({v.precision for v in cfg.variants.values()}),
         "recipes": {p: runplan.recipe(cfg, p) for p in sorted({v.precision for v in cfg.variants.values()})},
-        "gpu": gpu_name, "torch": torch.__version__,
-        "code": source_digest(source_files(here) + [here, optimizer_code]),
-    }, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    path = Path(folder) / f"roofline-{key}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        pass
-    out = record(cfg, gpu_name, make_optimizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps(out, sort_keys=True))
-    for old in sorted(path.parent.glob("roofline-*.json"), key=lambda p: p.stat().st_mtime)[:-8]:
-        old.unlink(missing_ok=True)  # the last 8 counts are kept
-    return out
+        "gpu": gpu_name, "torch": torch.__version__, "code": code,
+    }, lambda: record(cfg, gpu_name, make_optimizer, article()))

@@ -99,7 +99,7 @@ def _cannot_run(name: str, device: torch.device) -> str:
 
 def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device: str = "cpu",
                 step_budget_s: float = 0.0, max_params: float = 0.0, no_step: str = "",
-                fine_tune: tuple[str, ...] = ()) -> dict:
+                fine_tune: tuple[str, ...] = (), rungs: bool = True) -> dict:
     """Every check of ``cfg``'s model: ``{"model", "params", "input_size", "rows", "ok"}``.
 
     ``precisions``: those to step (default: the variants'); ``step_budget_s`` > 0 leaves the other precisions
@@ -107,6 +107,7 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
     reason) steps none: each named in its rows. ``fine_tune``: precisions stepped again with the model's backbone
     frozen (``model.freeze: [backbone]``: everything but its final classification layer), each step checked to
     leave every frozen parameter as it was and to move the trained ones (rows ``fine-tune <precision>``).
+    ``rungs=False`` leaves the converting rungs' conformance unchecked (said in their rows).
     """
     precisions = precisions or tuple(dict.fromkeys(v.precision for v in cfg.variants.values()))
     dev = torch.device(device)
@@ -190,8 +191,9 @@ def check_model(cfg: config.Config, *, precisions: tuple[str, ...] = (), device:
             s=done["s"], activation_bytes=done["activation_bytes"])
     for name_ in (n for n in converting(names()) if n in batches):  # each converting rung against the model
         check = f"{name_} conformance"
-        why = no_step or (step_budget_s and fp32_s is not None and fp32_s > step_budget_s
-                          and f"fp32's step took {fp32_s:.0f} s") or _cannot_run(name_, dev)
+        why = (not rungs and "not asked for") or no_step or (
+            step_budget_s and fp32_s is not None and fp32_s > step_budget_s and f"fp32's step took {fp32_s:.0f} s"
+        ) or _cannot_run(name_, dev)
         if why:
             row(check, None, f"not checked: {why}")
             continue
