@@ -101,3 +101,47 @@ def test_a_failed_log_leaves_a_visible_marker_that_a_successful_one_clears(tmp_p
     assert tracking.safely("train@fp32", lambda cfg, root: ("r1", True), config.MlflowConfig(), tmp_path) == "r1"
     assert results.pending_line(tmp_path).startswith("1 result(s) are on disk but not in MLflow (report)")
     assert "MLflow: logged train@fp32 (run r1)" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def faults():
+    """benchmarks/faults.py's proxy in front of a real `mlflow server` on loopback (sqlite, artifacts over HTTP)."""
+    import importlib.util
+
+    from ampbench.sandbox import REPO_ROOT
+    spec = importlib.util.spec_from_file_location("faults", REPO_ROOT / "benchmarks" / "faults.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as tmp:
+        server, port = module.start_server(Path(tmp))
+        try:
+            yield module, module.FaultProxy(("127.0.0.1", port))
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_real_server_killed_mid_log_or_answering_503s_keeps_every_run_exactly_once(faults, logged_run_folder,
+                                                                                     monkeypatch):
+    """The server gone at four points of a variant's logging (its first request, the run's creation, an artifact's
+    upload, its last request: applied by the server, the answer lost, nothing after answered), then back: the
+    replay leaves the results exactly once, whole. Every third request a 503: the log succeeds through MLflow's
+    retries. (benchmarks/faults.py: every request of the log as a kill point.)"""
+    module, proxy = faults
+    repo, plan = logged_run_folder
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", proxy.url)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0.05")  # the retries' waits: seconds, not the count
+    clean = module.one_point(proxy, repo, plan, "clean")
+    assert clean["ok"] and clean["first_log"] == "ok", clean
+    log, total = clean["log"], clean["requests"]
+    create = next(n for n, what, _ in log if what.endswith("/runs/create"))
+    upload = next(n for n, what, _ in log if what.startswith("PUT ") and "artifacts" in what)
+    for n in (1, create, upload, total):
+        row = module.one_point(proxy, repo, plan, f"kill-{n}", kill_at=n)
+        assert row["ok"] and row["first_log"] != "ok", (row, log)
+    row = module.one_point(proxy, repo, plan, "every-third-503", fail_every=3)
+    assert row["ok"] and row["first_log"] == "ok", row
+    assert sum(fate == "503" for _, _, fate in row["log"]) >= 3

@@ -38,6 +38,7 @@ class DataConfig:
     source: str = _opt("cifar10", choices=DATA_SOURCES)  # where the images come from
     url: str = ""                 # "" = the official archive of data.source; or a mirror / file:// URL
     md5: str = ""                 # "" = the official archive's checksum; give one with a different archive
+    sha256: str = ""              # checked too when given (64 hex digits): a checksum no one can forge a match for
     archive: str = ""             # a local copy of the archive to use instead of downloading
     path: str = ""                # source folder: an ImageFolder tree (path/<class>/<image>)
     image_size: int = _opt(32, lo=8)  # source folder: images are resized to image_size x image_size once

@@ -11,7 +11,9 @@ running the pickle would call.
 
 from __future__ import annotations
 
+import hashlib
 import pickle
+import re
 import shutil
 import tarfile
 import tempfile
@@ -67,6 +69,9 @@ def source_md5(cfg: DataConfig) -> str:
 
 def describe(cfg: DataConfig) -> dict:
     """Classes, image side and counts of the full archive; a data.archive that is not there is refused."""
+    if cfg.sha256 and not re.fullmatch(r"[0-9a-fA-F]{64}", cfg.sha256):
+        raise ConfigError(f"params.yaml: data.sha256 = {cfg.sha256!r} is not a SHA-256 checksum (64 hex digits); "
+                          "give the archive's `sha256sum`, or set it to \"\"")
     if cfg.archive and not Path(cfg.archive).is_file():
         raise ConfigError(f"params.yaml: data.archive = {cfg.archive!r}: no such file; give the path of a local "
                           "copy of the archive, or set it to \"\" to download it")
@@ -80,7 +85,7 @@ def read(cfg: DataConfig, seed: int, raw_dir: Path) -> tuple[dict, dict, int]:
     describe(cfg)
     archive = fetch(cfg, raw_dir)
     fmt = FORMATS[cfg.source]
-    origin = {"source": cfg.source, "md5": source_md5(cfg)}
+    origin = {"source": cfg.source, "md5": source_md5(cfg), **({"sha256": cfg.sha256.lower()} if cfg.sha256 else {})}
     return read_archive(cfg.source, archive, raw_dir), origin, fmt.num_classes
 
 
@@ -92,10 +97,20 @@ def fetch(cfg: DataConfig, raw_dir: Path) -> Path:
     from torchvision.datasets.utils import check_integrity, download_url  # a CIFAR run alone pays torchvision's import
 
     fmt, url, md5 = FORMATS[cfg.source], source_url(cfg), source_md5(cfg)
+
+    def verified(path: Path) -> str:
+        """"" when the file has its checksums; else which one it fails."""
+        if not check_integrity(str(path), md5):
+            return f"MD5 check (expected {md5})"
+        if cfg.sha256 and _sha256(path) != cfg.sha256.lower():
+            return f"SHA-256 check (expected data.sha256 = {cfg.sha256.lower()})"
+        return ""
+
     if cfg.archive:
         path = Path(cfg.archive)
-        if not check_integrity(str(path), md5):
-            raise DataError(f"data.archive = {cfg.archive!r} fails its MD5 check (expected {md5}); "
+        failed = verified(path)
+        if failed:
+            raise DataError(f"data.archive = {cfg.archive!r} fails its {failed}; "
                             f"the file is corrupted or not {fmt.archive}: download it again")
         return path
     raw_dir.mkdir(parents=True, exist_ok=True)
@@ -103,7 +118,7 @@ def fetch(cfg: DataConfig, raw_dir: Path) -> Path:
     last_error: Exception | None = None
     for attempt in (1, 2):
         if path.exists():
-            if check_integrity(str(path), md5):
+            if not verified(path):
                 print(f"using the verified archive already in {path}", flush=True)
                 return path
             path.unlink()  # a cut-short or corrupted earlier download
@@ -111,10 +126,11 @@ def fetch(cfg: DataConfig, raw_dir: Path) -> Path:
             print(f"downloading {url} (attempt {attempt} of 2)", flush=True)
             if url.startswith("file:"):  # torchvision's downloader needs an HTTP response length
                 shutil.copyfile(url2pathname(urlparse(url).path), path)
-                if not check_integrity(str(path), md5):
-                    raise RuntimeError("File not found or corrupted.")
             else:
                 download_url(url, str(raw_dir), fmt.archive, md5)  # progress bar, MD5 check
+            failed = verified(path)
+            if failed:
+                raise RuntimeError(f"the download fails its {failed}")
             return path
         except (urllib.error.URLError, OSError, RuntimeError, ValueError) as err:
             last_error = err
@@ -123,6 +139,14 @@ def fetch(cfg: DataConfig, raw_dir: Path) -> Path:
         path.unlink()
     raise DataError(f"could not fetch a verified {fmt.label} archive from data.url = {url!r} "
                     f"({last_error}); check the URL or the network, or set data.archive to a local {fmt.archive}")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # what unpickling a CIFAR batch may construct: numpy's arrays (Python 2's cPickle and numpy 1 or 2 name them so),
