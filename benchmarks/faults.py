@@ -208,7 +208,7 @@ def main() -> None:
     ap.add_argument("--points", type=int, default=0, help="kill points, spread over the requests (0: every one)")
     ap.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "faults"))
     args = ap.parse_args()
-    os.environ.update(MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="0.05", MLFLOW_HTTP_REQUEST_BACKOFF_JITTER="0")
+    os.environ.update(MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR="0", MLFLOW_HTTP_REQUEST_BACKOFF_JITTER="0")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         server, port = start_server(folder)
