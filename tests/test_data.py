@@ -18,7 +18,7 @@ from PIL import Image
 from ampbench import config, data
 from ampbench.config import DataConfig
 from ampbench.data import batches as feeds
-from ampbench.errors import DataError, EnvironmentMismatch
+from ampbench.errors import ConfigError, DataError, EnvironmentMismatch
 from tests.conftest import make_cifar_archive
 
 
@@ -119,14 +119,10 @@ def test_corrupted_local_archive_fails_its_checksum(tmp_path, archive):
 def test_a_sha256_given_is_checked_beside_the_md5_downloaded_or_local(tmp_path, archive, server):
     """MD5 catches corruption; a SHA-256 (data.sha256) also rules out an archive made to match the MD5."""
     import hashlib
-
-    from ampbench.errors import ConfigError
-    path, md5, arrays = archive
-    base, hits = server
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
-    cfg = DataConfig(url=f"{base}/cifar-10-python.tar.gz", md5=md5, sha256=sha.upper())
-    meta = data.prepare(cfg, 0, tmp_path / "a", tmp_path / "raw")
-    _check_prepared(tmp_path / "a", arrays, meta)
+    (path, md5, arrays), (base, hits) = archive, server
+    cfg = DataConfig(url=f"{base}/cifar-10-python.tar.gz", md5=md5,
+                     sha256=hashlib.sha256(path.read_bytes()).hexdigest().upper())
+    _check_prepared(tmp_path / "a", arrays, data.prepare(cfg, 0, tmp_path / "a", tmp_path / "raw"))
     other = "0" * 64  # the MD5 still matches: only the SHA-256 tells
     with pytest.raises(DataError, match=f"fails its SHA-256 check \\(expected data.sha256 = {other}\\)"):
         data.prepare(DataConfig(archive=str(path), md5=md5, sha256=other), 0, tmp_path / "b", tmp_path / "raw2")
@@ -135,7 +131,7 @@ def test_a_sha256_given_is_checked_beside_the_md5_downloaded_or_local(tmp_path, 
     assert len(hits) == 3 and not (tmp_path / "raw3" / data.ARCHIVE_NAME).exists()
     with pytest.raises(ConfigError, match="data.sha256 = 'abc' is not a SHA-256 checksum"):
         data.prepare(DataConfig(archive=str(path), md5=md5, sha256="abc"), 0, tmp_path / "d", tmp_path / "raw4")
-    assert not any((tmp_path / d).exists() for d in "bcd")
+    assert not any((tmp_path / d).exists() for d in "bcd")  # nothing half-made
 
 
 def test_failed_prepare_keeps_the_previous_set(tmp_path, archive):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ampbench import config, data, results, runplan, tracking
+from ampbench import config, results, tracking
 from ampbench.errors import NotTheAnalysis
 
 # where a variant's logging can be cut (the server gone, a reset): (the client call, which of its calls fails); one
@@ -14,23 +14,21 @@ from ampbench.errors import NotTheAnalysis
 KILL_POINTS = [("log_inputs", 1), ("log_batch", 2), ("log_artifact", 2), ("create_logged_model", 1), ("set_tag", 1)]
 
 
+def _faults():
+    """benchmarks/faults.py, as a module: its proxy, its server and its trained run folder."""
+    import importlib.util
+
+    from ampbench.sandbox import REPO_ROOT
+    spec = importlib.util.spec_from_file_location("faults", REPO_ROOT / "benchmarks" / "faults.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def logged_run_folder(tmp_path_factory):
-    """A trained variant's run folder (small_cnn, one epoch) with its model, its plan and env.json."""
-    repo = tmp_path_factory.mktemp("run")
-    data.prepare(config.DataConfig(source="synthetic", train_size=64, test_size=32), 0, repo / "prepared", repo / "r")
-    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"},
-                            "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 1}, "profile": {"steps": 0},
-                            "variants": {"fp32": {"precision": "fp32"}}})
-    plan = runplan.make_plan(cfg, "fp32", "cpu")
-    from ampbench.train import runner
-    prepared = data.load_prepared(repo / "prepared", "cpu")
-    result = runner.train(plan, prepared, progress=False)
-    result.metrics["dataset"] = data.record(repo / "prepared", prepared["meta"])  # the stage's dataset inputs
-    model = {"state_dict": result.weights, "model": config.to_dict(plan.model), "num_classes": 10, "image_size": 32,
-             "precision": "fp32"}
-    results.write_run(repo / "runs" / "fp32", result.metrics, result.tables(), result.step_times_ms, "", model)
-    return repo, config.to_dict(plan)
+    """A trained variant's run folder (small_cnn, one epoch) with its model; (the folder, its plan)."""
+    return _faults().run_folder(tmp_path_factory.mktemp("run"))
 
 
 @pytest.mark.parametrize(("call", "nth"), KILL_POINTS)
@@ -106,14 +104,9 @@ def test_a_failed_log_leaves_a_visible_marker_that_a_successful_one_clears(tmp_p
 @pytest.fixture(scope="module")
 def faults():
     """benchmarks/faults.py's proxy in front of a real `mlflow server` on loopback (sqlite, artifacts over HTTP)."""
-    import importlib.util
-
-    from ampbench.sandbox import REPO_ROOT
-    spec = importlib.util.spec_from_file_location("faults", REPO_ROOT / "benchmarks" / "faults.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     import tempfile
     from pathlib import Path
+    module = _faults()
     with tempfile.TemporaryDirectory() as tmp:
         server, port = module.start_server(Path(tmp))
         try:

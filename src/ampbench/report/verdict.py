@@ -64,16 +64,7 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
     if p and both.get("fp32"):  # it compiles and FP32 does not: like with like is both compiled
         return _compiled(both, p, stage, summary)
     if p:
-        rounds = f"{len(p['rounds'])} rounds in turns in one process, from {fmt.ratio(p['lo'])} to {fmt.ratio(p['hi'])}"
-        said = {"faster": f"trained {fmt.times(p['median'])} faster than strict FP32 in the paired check ({rounds})",
-                "slower": f"was slower than FP32 in the paired check: {fmt.times(p['median'])} its throughput "
-                          f"({rounds})"}.get(p.get("claim"))
-        if said is None:
-            enough = len(p["rounds"]) >= summary["paired"].get("claim_rounds", 6)
-            said = (f"was no faster than FP32 in the paired check ({fmt.times(p['median'])}, {rounds}"
-                    + ("" if enough else f"; {summary['paired'].get('claim_rounds', 6)} rounds agreeing are needed "
-                       "to call it faster or slower") + ")")
-        text = f"{said}; {stage}"
+        text = f"{_claim(p, summary)}; {stage}"
         if sp is not None and not p["lo"] / DISAGREE <= sp <= p["hi"] * DISAGREE:
             text += (". The two disagree: trust the paired check, which a drift between the stages (another tenant, "
                      "a throttled clock) cannot fake")
@@ -85,20 +76,26 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
            f"slower; {why}", None
 
 
+def _claim(c: dict, summary: dict, how: str = "") -> str:
+    """What a paired comparison with strict FP32 says (``how``: how both ran, when it is not eager), its rounds."""
+    rounds = f"{len(c['rounds'])} rounds in turns in one process, from {fmt.ratio(c['lo'])} to {fmt.ratio(c['hi'])}"
+    said = {"faster": f"trained {fmt.times(c['median'])} faster than strict FP32{how} in the paired check ({rounds})",
+            "slower": f"was slower than FP32{how} in the paired check: {fmt.times(c['median'])} its throughput "
+                      f"({rounds})"}.get(c.get("claim"))
+    if said is None:
+        need = summary["paired"].get("claim_rounds", 6)
+        said = (f"was no faster than {'strict ' if how else ''}FP32{how} in the paired check "
+                f"({fmt.times(c['median'])}, {rounds}"
+                + ("" if len(c["rounds"]) >= need else f"; {need} rounds agreeing are needed to call it faster "
+                   "or slower") + ")")
+    return said
+
+
 def _compiled(both: dict, p: dict, stage: str, summary: dict) -> tuple[str, str | None]:
     """A compiled variant's words: its ratio to strict FP32 compiled the same way (the claim), to bf16 compiled,
     and the eager baseline's beside them."""
     c = both["fp32"]
-    rounds = f"{len(c['rounds'])} rounds in turns in one process, from {fmt.ratio(c['lo'])} to {fmt.ratio(c['hi'])}"
-    said = {"faster": f"trained {fmt.times(c['median'])} faster than strict FP32, both compiled, in the paired check",
-            "slower": f"was slower than FP32, both compiled, in the paired check: {fmt.times(c['median'])} its "
-                      "throughput"}.get(c.get("claim"))
-    if said is None:
-        enough = len(c["rounds"]) >= summary["paired"].get("claim_rounds", 6)
-        said = (f"was no faster than strict FP32, both compiled, in the paired check ({fmt.times(c['median'])}"
-                + ("" if enough else f"; {summary['paired'].get('claim_rounds', 6)} rounds agreeing are needed to "
-                   "call it faster or slower") + ")")
-    text = f"{said} ({rounds})"
+    text = _claim(c, summary, ", both compiled,")
     if both.get("bf16"):
         text += f", {fmt.times(both['bf16']['median'])} bf16 compiled"
     return (f"{text}; against eager FP32 (the compilation's fusion counted in) {fmt.times(p['median'])}; {stage}",
