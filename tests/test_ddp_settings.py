@@ -1,12 +1,17 @@
-"""Data-parallel settings, without processes: what reaches a variant's run plan (ddp, gradient communication,
-the backend) and what a GPU machine cannot run is refused with the fix (env.check_distributed)."""
+"""Data-parallel settings: what reaches a variant's run plan (ddp, gradient communication, the backend), what a
+GPU machine cannot run is refused with the fix (env.check_distributed), the launcher's exit code, and how soon the
+ranks agree to stop (2 gloo processes)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 
 from ampbench import config, env, runplan
 from ampbench.errors import EnvironmentMismatch
+from ampbench.train import distributed
 
 
 def test_ddp_false_and_grad_comm_reach_the_plan(tmp_path):
@@ -63,3 +68,57 @@ def test_the_launcher_ends_with_the_exit_code_a_rank_said_though_the_agent_stopp
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "error: rank 1: params.yaml: train.batch_size = 31 does not split"
+
+
+@pytest.mark.parametrize("sig,said", [("SIGINT", "SIGINT (Ctrl-C)"), ("SIGTERM", "SIGTERM")])
+def test_a_signal_to_the_launcher_ends_it_with_one_line_and_128_plus_the_signal(monkeypatch, capsys, sig, said):
+    """The agent passed the signal on and closed the ranks: one line that says how to resume, not its traceback."""
+    import signal
+
+    import torch.distributed.run as run
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    signum = getattr(signal, sig)
+
+    def fake_run(args):
+        raise SignalException(f"Process 7 got signal: {int(signum)}", sigval=signum)
+
+    monkeypatch.setattr(run, "run", fake_run)
+    kept = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the launcher ignores both after
+    try:
+        with pytest.raises(SystemExit) as stop:
+            distributed.torchrun(2, ["stages/train.py"])
+    finally:
+        for s, h in kept.items():
+            signal.signal(s, h)
+    assert stop.value.code == 128 + signum
+    assert capsys.readouterr().err.strip().splitlines() == \
+        [f"stopped by {said}: the next `dvc repro` resumes from the last checkpoint saved"]
+
+
+def _stop_worker(rank: int, port: int, folder: str) -> None:
+    from tests.test_distributed import _join, _trainer
+    world = _join(rank, port)
+    trainer = _trainer(world, folder, "fp32", train={"batch_size": 8})  # 16 steps: the loss syncs at the end
+    take = trainer.optimizer_step
+
+    def stepping(x, y):
+        if rank == 1 and trainer.step_in_epoch == 2:  # a SIGTERM that reached rank 1 alone, during the third step
+            trainer.stop_requested = True
+        return take(x, y)
+
+    trainer.optimizer_step = stepping
+    row = trainer.run_epoch()
+    out = {"row": row, "at": trainer.step_in_epoch, "of": trainer.steps_per_epoch, "stop": trainer.stop_now(),
+           "weights": [float(p.detach().double().sum()) for p in trainer.model.parameters()]}
+    (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
+    distributed.shutdown()
+
+
+def test_a_stop_seen_by_one_rank_stops_every_rank_two_steps_later_not_at_the_next_loss_sync(tmp_path):
+    """The ranks' stop vote: a wish sent after step 3 is read by every rank after step 4, so all stop there
+    (before, at the next loss sync: up to 25 steps, longer than a scheduler's grace on a slow model)."""
+    from tests.test_distributed import _ranks
+    ranks = _ranks(tmp_path, _stop_worker)
+    assert ranks[0]["of"] == 16
+    assert [r["at"] for r in ranks] == [4, 4] and all(r["stop"] and r["row"] is None for r in ranks)
+    assert ranks[0]["weights"] == ranks[1]["weights"]  # the same steps taken

@@ -165,7 +165,37 @@ def exit_with_launcher(poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="ampbench-torchrun-watch", daemon=True).start()
 
 
+class StopVote:
+    """Whether some rank wants to stop (Ctrl-C, SIGTERM), agreed by every rank within two steps of it and with no
+    device sync: each step starts an all-reduce (max) of this rank's wish on a gloo group of its own, off the
+    training stream, and reads the one the step before started (done by then: DDP keeps the ranks in step). Every
+    rank reads the same answer after the same step, so all stop there; a scheduler's grace (``docker stop``: 10 s)
+    is spent on two steps, not on the wait for the next loss sync (25)."""
+
+    _group = None  # one per process, made by every rank at the same point (new_group is collective)
+
+    def __init__(self, world: World):
+        self.world = world
+        if self.world.active and StopVote._group is None:
+            StopVote._group = dist.new_group(backend="gloo")
+        self._pending = None
+
+    def __call__(self, wish: bool) -> bool:
+        """After a step: True once some rank's wish, sent a step ago, reached every rank."""
+        if not self.world.active:
+            return wish
+        agreed = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            agreed = bool(flag.item())
+        flag = torch.tensor([int(wish)], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=StopVote._group, async_op=True), flag)
+        return agreed
+
+
 def shutdown() -> None:
+    StopVote._group = None
     if dist.is_initialized():
         dist.destroy_process_group()
 

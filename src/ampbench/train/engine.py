@@ -129,7 +129,8 @@ class Trainer:
         self.clock = clock.StepClock(device, plan.train.warmup_steps)  # checkpointed, but for its warm-up count
         self.stop_requested = False  # Ctrl-C or SIGTERM seen by this process
         self.stop_signal = 0  # which
-        self.stop_agreed = False     # under DDP: Ctrl-C seen by some rank, as of the last sync
+        self.stop_agreed = False     # under DDP: Ctrl-C or SIGTERM seen by some rank, agreed by all
+        self.stop_vote = distributed.StopVote(self.world)
         self.t_start = time.perf_counter()
 
     def analysis(self, name: str, fn, *args):
@@ -195,6 +196,8 @@ class Trainer:
                 self.global_step += 1
                 self.step_in_epoch += 1
                 bar.update(1)
+                if self.world.active:  # every rank reads the same vote after the same step
+                    self.stop_agreed = self.stop_agreed or self.stop_vote(self.stop_requested)
                 if self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch:
                     self.ledger.settle()  # gradient norms, a fused optimizer's skips: read where the loop syncs
                     mean_loss = self.mean_loss()  # a sync every 25 steps
@@ -236,18 +239,19 @@ class Trainer:
         return row
 
     def stop_now(self) -> bool:
-        """Stop after this step (Ctrl-C): at once in one process; under DDP once the ranks agree on it."""
+        """Stop after this step (Ctrl-C, SIGTERM): at once in one process; under DDP once the ranks agree on it (within
+        two steps: ``distributed.StopVote``)."""
         return self.stop_agreed if self.world.active else self.stop_requested
 
     def mean_loss(self) -> float:
         """This epoch's mean training loss so far, over all ranks (one sync, every 25 steps); NaN when every step's
         loss so far was inf/NaN (left out of the sum), so the loop's inf/NaN stop fires.
 
-        Under DDP the same all-reduce carries whether any rank has seen Ctrl-C, so all stop after the same step.
+        Under DDP the same all-reduce also carries whether any rank has seen a stop signal (with the per-step vote).
         """
         total, seen, stop = self.world.reduce([self.ledger.loss_sum.item(), self.ledger.seen,
                                                float(self.stop_requested)])
-        self.stop_agreed = stop > 0
+        self.stop_agreed = self.stop_agreed or stop > 0
         return total / seen if seen else math.nan  # no image counted (every loss inf/NaN): not a loss of 0
 
     # --- checkpoints ---------------------------------------------------------------------------
