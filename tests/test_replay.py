@@ -67,18 +67,28 @@ def test_a_log_cut_at_any_point_is_completed_once_by_the_replay(logged_run_folde
 
 def test_the_sync_goes_on_past_an_unreadable_run_folder_and_names_it(logged_run_folder, tmp_path, monkeypatch,
                                                                      capsys):
+    """And the report's ratios go onto whole runs only: a variant whose run is not in the store is named, and the
+    call fails, so its marker stays until the sync that logs the run puts them on it."""
+    import json
     import shutil
     repo, _ = logged_run_folder
     runs = tmp_path / "runs"
     shutil.copytree(repo / "runs" / "fp32", runs / "fp32")
     (runs / "broken").mkdir()
     (runs / "broken" / results.METRICS).write_text("")  # a disk that filled up as it was written
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'store.db'}")
-    failed = tracking.sync(config.MlflowConfig(log_model=False), tmp_path, runs, tmp_path / "plans",
-                           tmp_path / "env.json", tmp_path / "report.md", tmp_path / "summary.json", tmp_path / "f")
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    cfg, summary = config.MlflowConfig(log_model=False), tmp_path / "summary.json"
+    failed = tracking.sync(cfg, tmp_path, runs, tmp_path / "plans", tmp_path / "env.json", tmp_path / "report.md",
+                           summary, tmp_path / "f")
     out = capsys.readouterr().out
     assert failed == 1 and "MLflow logging of train@broken failed (JSONDecodeError" in out
     assert "MLflow: logged train@fp32" in out
+    summary.write_text(json.dumps({"variants": {"fp32": {"speedup": 1.0}, "broken": {"speedup": 1.5}}}))
+    with pytest.raises(LookupError, match=r"^train@broken not in MLflow yet .* logged on fp32$"):
+        tracking.log_comparison(cfg, tmp_path, summary, runs)
+    [run] = MlflowClient(store).search_runs([MlflowClient(store).get_experiment_by_name("ampbench").experiment_id])
+    assert run.data.metrics[tracking.COMPARE["speedup"]] == 1.0
 
 
 def test_a_failed_log_leaves_a_visible_marker_that_a_successful_one_clears(tmp_path, monkeypatch, capsys):

@@ -1,5 +1,5 @@
 """Tracking that fails: an unreachable server is reported fast, training still writes its results, and
-`ampbench mlflow-sync` logs them afterwards without duplicates."""
+`ampbench mlflow-sync` logs them afterwards without duplicates, past a sync whose uploads failed."""
 
 from __future__ import annotations
 
@@ -74,13 +74,18 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     sync = [sys.executable, "-m", "ampbench.cli", "mlflow-sync"]
     environ["MLFLOW_TRACKING_URI"] = store
     synced_at = int(time.time() * 1000)  # the training's times, not the logging's
+    (repo / "mlartifacts").write_text("")  # every upload fails: the run's metrics reach the store, its files not
+    broken = subprocess.run(sync, cwd=repo, env=environ, capture_output=True, text=True, timeout=300)
+    assert broken.returncode == 1 and "warning: MLflow logging of train@fp32 failed" in broken.stdout, broken.stdout
+    (repo / "mlartifacts").unlink()
     first = subprocess.run(sync, cwd=repo, env=environ, capture_output=True, text=True, timeout=300)
     second = subprocess.run(sync, cwd=repo, env=environ, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0 and "MLflow: logged train@fp32" in first.stdout, first.stderr[-2000:]
     assert "already logged: train@fp32" in second.stdout
     client = MlflowClient(store)
     runs = client.search_runs([client.get_experiment_by_name("ampbench").experiment_id])
-    assert [r.info.run_name for r in runs] == ["train@fp32"]
+    assert [r.info.run_name for r in runs] == ["train@fp32"]  # the partial run replaced, not kept beside it
+    assert {a.path for a in client.list_artifacts(runs[0].info.run_id)} >= {"metrics.json", "history.csv"}
     assert runs[0].data.params["train.batch_size"] == "32" and "final_acc" in runs[0].data.metrics
     # logged later, the run still says when the training ran, how it ended and what it ran on
     m = json.loads((reports / "runs" / "fp32" / "metrics.json").read_text())

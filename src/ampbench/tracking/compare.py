@@ -52,18 +52,21 @@ def comparison_metrics(row: dict) -> dict[str, float]:
 
 def log_comparison(cfg: MlflowConfig, repo_root: Path, summary_json: Path, runs_dir: Path) -> tuple[str, bool]:
     """Put each variant's ratios (against strict fp32, against tf32) on its own training run, found by its
-    metrics file's key; a run not in the store yet is left for `ampbench mlflow-sync`."""
+    metrics file's key. A run not whole in the store yet gets none, and the call then fails naming it (its marker
+    stays, and the `ampbench mlflow-sync` that logs the run puts its ratios on it)."""
     summary = json.loads(Path(summary_json).read_text())
     uri = tracking_uri(cfg, repo_root)
     client = MlflowClient(uri)
     exp_id = _experiment_id(client, cfg, uri, repo_root)
-    done, now = [], int(time.time() * 1000)
+    done, missing, now = [], [], int(time.time() * 1000)
     for name, row in summary["variants"].items():
         metrics_file = Path(runs_dir) / name / results.METRICS
         if not metrics_file.is_file():
             continue
         rid = complete_run(client, exp_id, file_key(metrics_file))  # a partial run gets none: the sync redoes it
         wanted = comparison_metrics(row)
+        if rid is None and wanted:
+            missing.append(f"train@{name}")
         if rid is None or not wanted:
             continue
         have = client.get_run(rid).data.metrics
@@ -71,6 +74,9 @@ def log_comparison(cfg: MlflowConfig, repo_root: Path, summary_json: Path, runs_
         if new:
             client.log_batch(rid, metrics=new)
             done.append(name)
+    if missing:
+        raise LookupError(f"{', '.join(missing)} not in MLflow yet (partial or absent), so without ratios; "
+                          f"logged on {', '.join(done) or 'no run'}")
     return (", ".join(done) or "nothing new"), bool(done)
 SPEEDUP, LO, HI = COMPARE["speedup"], COMPARE["speedup_ci95"] + "_lo", COMPARE["speedup_ci95"] + "_hi"
 CONFIG = ("model.arch", "model.factory", "model.input_size", "train.batch_size", "train.epochs", "train.optimizer",
