@@ -185,6 +185,8 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(dd
     assert "[fp32] resuming from the checkpoint at epoch" in again.stdout
     rows = (tmp_path / "out" / "history.csv").read_text().splitlines()
     assert _same_history([r.split(",")[:5] for r in rows], _history(reference, "fp32"))
+    from tests.test_resume import weights_digest  # the same steps on the same all-reduced gradients, bit for bit
+    assert weights_digest(tmp_path / "out" / "model.pt") == weights_digest(reference / "reports/runs/fp32/model.pt")
 
 
 @pytest.mark.slow

@@ -44,10 +44,22 @@ def _cmd(root: Path, plan: Path, out: str) -> list[str]:
             "--checkpoints", str(root / f"ckpt-{out}"), "--params", str(root / "params.yaml")]
 
 
+def weights_digest(model_pt: Path) -> str:
+    """The final weights' bytes, every tensor in order: a resumed run's equal an uninterrupted one's bit for bit."""
+    import hashlib
+
+    import torch
+    digest = hashlib.sha256()
+    for name, tensor in torch.load(model_pt, weights_only=True)["state_dict"].items():
+        digest.update(name.encode() + tensor.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _history(root: Path, out: str) -> list[dict]:
     m = json.loads((root / out / "metrics.json").read_text())
     rows = (root / out / "history.csv").read_text().splitlines()
-    return [m["final_acc"], m["final_loss"], m["optimizer_steps"], [r.split(",")[:4] for r in rows]]
+    return [m["final_acc"], m["final_loss"], m["optimizer_steps"], [r.split(",")[:4] for r in rows],
+            weights_digest(root / out / "model.pt")]
 
 
 @pytest.fixture(scope="module")
