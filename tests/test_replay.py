@@ -65,6 +65,41 @@ def test_a_log_cut_at_any_point_is_completed_once_by_the_replay(logged_run_folde
     assert [(m.source_run_id, m.status.name) for m in models] == [(rid, "READY")]
 
 
+def test_an_account_that_may_not_delete_runs_retires_the_partial_one_and_says_so(logged_run_folder, tmp_path,
+                                                                                  monkeypatch, capsys):
+    """EDIT without MANAGE (MLflow's basic-auth) may log but not delete: the replay keeps the partial run FAILED,
+    tagged, without its key tags, so the store still holds one whole run of the results and `compare` one."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED
+    repo, plan = logged_run_folder
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    cfg, run_dir = config.MlflowConfig(log_model=False), repo / "runs" / "fp32"
+    real = MlflowClient.set_tag
+
+    def cut(self, rid, key, value, *a, **kw):  # the server gone just before the key
+        if key == tracking.KEY_TAG:
+            raise ConnectionError("connection reset")
+        return real(self, rid, key, value, *a, **kw)
+    monkeypatch.setattr(MlflowClient, "set_tag", cut)
+    with pytest.raises(ConnectionError):
+        tracking.log_variant(cfg, repo, run_dir, plan, {})
+    monkeypatch.setattr(MlflowClient, "set_tag", real)
+
+    def refused(self, rid):
+        raise MlflowException("Permission denied", error_code=PERMISSION_DENIED)
+    monkeypatch.setattr(MlflowClient, "delete_run", refused)
+    rid, new = tracking.log_variant(cfg, repo, run_dir, plan, {})
+    assert new and "kept run" in capsys.readouterr().out
+    client = MlflowClient(store)
+    runs = {r.info.run_id: r for r in client.search_runs([client.get_experiment_by_name("ampbench").experiment_id])}
+    [old] = set(runs) - {rid}
+    assert runs[rid].info.status == "FINISHED" and runs[old].info.status == "FAILED"
+    assert tracking.runkeys.RETIRED_TAG in runs[old].data.tags
+    assert not {tracking.KEY_TAG, tracking.PENDING_TAG} & set(runs[old].data.tags)
+    assert tracking.log_variant(cfg, repo, run_dir, plan, {}) == (rid, False)  # and the replay is done
+
+
 def test_the_sync_goes_on_past_an_unreadable_run_folder_and_names_it(logged_run_folder, tmp_path, monkeypatch,
                                                                      capsys):
     """And the report's ratios go onto whole runs only: a variant whose run is not in the store is named, and the

@@ -15,6 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from ampbench import config, data, env, runplan, tracking
+from ampbench.errors import ConfigError
 from ampbench.sandbox import REPO_ROOT, env_with_venv
 
 
@@ -113,6 +114,9 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     loaded = mlflow.pytorch.load_model(f"models:/{out.model_id}")
     weights = torch.load(reports / "runs" / "fp32" / "model.pt", weights_only=True)["state_dict"]
     assert all(torch.equal(loaded.state_dict()[k], v) for k, v in weights.items())
+    # the same model with nothing unpickled from the store: the weights into the architecture built here
+    safe = tracking.load_weights(out.model_id, store)
+    assert type(safe) is type(loaded) and all(torch.equal(safe.state_dict()[k], v) for k, v in weights.items())
 
 
 def test_a_logged_model_pins_the_running_torch_without_scanning_every_installed_package(tmp_path, tmp_mlflow,
@@ -227,6 +231,9 @@ def test_mlflow_ui_prints_its_page_once_the_server_answers_and_its_end_stops_eve
         # without MLflow's GenAI job runners (7 huey consumers): every process of the server started without them
         assert {p.environ().get(tracking.JOBS_ENV) for p in family} == {"false"}
         assert not [p for p in family if "huey" in " ".join(p.cmdline())]
+        # the store's URI (a database's holds its password) in MLflow's variable, on no command line
+        assert not [p for p in family if store in " ".join(p.cmdline())]
+        assert {p.environ().get("MLFLOW_BACKEND_STORE_URI") for p in family} == {tmp_mlflow}
         caught = int(next(ln for ln in Path(f"/proc/{ui.pid}/status").read_text().splitlines()
                           if ln.startswith("SigCgt:")).split()[1], 16)
         assert all(caught >> (s - 1) & 1 for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)), f"{caught:x}"
@@ -254,7 +261,7 @@ def test_a_server_starts_without_mlflow_s_job_runners_unless_the_user_asked_for_
 def test_tracking_settings_are_not_in_the_plans_and_passwords_are_never_printed(tmp_path, capsys):
     from ampbench import tracking
     base = {"device": "cpu", "variants": {"fp32": {"precision": "fp32"}}}
-    for i, mlflow in enumerate(({}, {"tracking_uri": "postgresql://bob:hunter2@db:5432/mlflow", "experiment": "x"})):
+    for i, mlflow in enumerate(({}, {"tracking_uri": "postgresql://bob@db:5432/mlflow", "experiment": "x"})):
         cfg = config.from_dict({**base, "mlflow": mlflow})
         runplan.write_plan(runplan.make_plan(cfg, "fp32", "cpu"), tmp_path / f"{i}.json")
     assert (tmp_path / "0.json").read_text() == (tmp_path / "1.json").read_text()  # a new server retrains nothing
@@ -262,6 +269,10 @@ def test_tracking_settings_are_not_in_the_plans_and_passwords_are_never_printed(
     assert config.redact("postgresql://bob:hunter2@db:5432/mlflow") == "postgresql://bob:***@db:5432/mlflow"
     assert config.redact("http://h:5000/?token=abc&x=1") == "http://h:5000/?token=***&x=1"
     assert config.redact("sqlite:////tmp/m.db") == "sqlite:////tmp/m.db"
+    for uri in ("postgresql://bob:hunter2@db:5432/mlflow", "https://h:5000/?token=hunter2"):  # params.yaml is in git
+        with pytest.raises(ConfigError, match="holds a password.*set the URI in the environment") as refused:
+            config.from_dict({**base, "mlflow": {"tracking_uri": uri}})
+        assert "hunter2" not in str(refused.value) and "***" in str(refused.value)
 
     def failing():
         raise ConnectionError("could not connect to postgresql://bob:hunter2@db:5432/mlflow")

@@ -6,6 +6,8 @@
     ampbench mlflow-sync     # log the on-disk runs that are not in MLflow yet (after a tracking outage)
     ampbench mlflow-ui       # the MLflow UI on this repository's store, opened on the runs table
     ampbench compare         # what each precision bought on each machine logging to the team's tracking server
+    ampbench team-server --artifacts DIR --tls-cert C --tls-key K   # the team's server: accounts, rights, TLS
+    ampbench team-user NAME  # an account on it (password on stdin), EDIT on the experiment
     ampbench roofline --gpu "RTX 5090"   # each precision's least step time at datasheet peaks, params.yaml's model
     ampbench roofline --gpu all          # the same for every GPU in the datasheet table
     ampbench check-model tv:convnext_tiny   # will this model run? input size, roofline, fp8, one step per precision
@@ -14,8 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
 import subprocess
 import sys
 import time
@@ -72,8 +72,8 @@ def compare(args) -> None:
     uri = config.tracking_uri(cfg, Path.cwd())
     problem = check_tracking_server(uri)
     if problem:
-        raise ConfigError(f"MLflow tracking server {config.redact(uri)} {problem}; start it, or set "
-                          "MLFLOW_TRACKING_URI to the team's server")
+        fix = "" if "MLFLOW_TRACKING" in problem else "; start it, or set MLFLOW_TRACKING_URI to the team's server"
+        raise ConfigError(f"MLflow tracking server {config.redact(uri)}: {problem}{fix}")
     page, groups = cmp.report(cmp.MlflowClient(uri), args.experiment or cfg.experiment)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -87,6 +87,7 @@ def compare(args) -> None:
 def mlflow_ui(args) -> None:
     """Start `mlflow ui` on the store and say which page shows the runs (MLflow 3 opens on its GenAI view)."""
     from ampbench import tracking
+    from ampbench.tracking import server
     cfg = config.load(args.params).mlflow if Path(args.params).is_file() else config.MlflowConfig()
     uri = f"sqlite:///{Path(args.store).resolve()}" if args.store else config.tracking_uri(cfg, Path.cwd())
     if args.store and not Path(args.store).is_file():
@@ -98,70 +99,14 @@ def mlflow_ui(args) -> None:
         return
     base = f"http://{args.host}:{args.port}"
     pipeline = tracking.latest_pipeline(uri, exp_id) if exp_id else None
-    server = subprocess.Popen([sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
-                               "--port", str(args.port)], env=tracking.server_env(),
-                              start_new_session=True,  # its own group, all stopped as one
-                              preexec_fn=_stop_with_parent)
-    stop = _stopper(server)
-    signal.signal(signal.SIGTERM, stop)  # what a process manager sends: the server and its workers go too
-    signal.signal(signal.SIGHUP, stop)  # the terminal closed
-    signal.signal(signal.SIGINT, stop)
-    try:
-        print(f"MLflow UI for {config.redact(uri)}: starting on {base} ...", flush=True)
-        if not _wait_until_up(server, base, args.wait):
-            code = server.poll()
-            raise ConfigError(f"the MLflow UI did not start on {base} ("
-                              + (f"it exited with status {code}, above: is port {args.port} in use? try --port"
-                                 if code is not None else f"no answer within {args.wait:g} s") + ")")
-        print(f"open {tracking.ui_url(base, exp_id)}\n"
-              f"  the runs table: search tags.`ampbench.pipeline` = '{pipeline or '<id>'}' for one pipeline's runs, "
-              "tick them and press Compare, or click the chart icon for every metric side by side\n"
-              "  Ctrl-C stops it", flush=True)
-        server.wait()
-    finally:
-        stop()
-
-
-def _wait_until_up(server: subprocess.Popen, base: str, timeout: float) -> bool:
-    """Poll the server's /health until it answers; False if it exits first or does not answer in time."""
-    from ampbench.env import check_tracking_server
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            return False
-        if check_tracking_server(base, timeout=2) is None:
-            return True
-        time.sleep(0.5)
-    return False
-
-
-def _stop_with_parent() -> None:
-    """In the server's process before it runs (Linux): SIGTERM when this process dies, even by SIGKILL, which no
-    handler sees, so the server never outlives the command that started it (it stops its workers on SIGTERM)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _stopper(server: subprocess.Popen):
-    """A signal handler (and a plain call) that stops the server's whole process tree, then exits."""
-    def stop(signum=None, frame=None):
-        import psutil
-        try:
-            family = [psutil.Process(server.pid), *psutil.Process(server.pid).children(recursive=True)]
-        except psutil.NoSuchProcess:
-            family = []
-        for proc in family:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.terminate()
-        _, alive = psutil.wait_procs(family, timeout=10)
-        for proc in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        if signum is not None:
-            print("MLflow UI stopped", flush=True)
-            sys.exit(0)
-    return stop
+    print(f"MLflow UI for {config.redact(uri)}: starting on {base} ...", flush=True)
+    # the store's URI (a database's may hold its password) in MLflow's own variable: no command line shows it
+    server.run([sys.executable, "-m", "mlflow", "ui", "--host", args.host, "--port", str(args.port)],
+               {**tracking.server_env(), server.STORE_ENV: uri}, base, args.wait, "MLflow UI",
+               f"open {tracking.ui_url(base, exp_id)}\n"
+               f"  the runs table: search tags.`ampbench.pipeline` = '{pipeline or '<id>'}' for one pipeline's runs, "
+               "tick them and press Compare, or click the chart icon for every metric side by side\n"
+               "  Ctrl-C stops it")
 
 
 def roofline_cmd(args) -> None:
@@ -285,6 +230,8 @@ def main() -> None:
                    "microseconds (default 4; make gpu-validate measures a machine's)")
     r.add_argument("--inference", action="store_true", help="count one forward pass in eval mode without gradients "
                    "(to set beside published inference figures) instead of a training step")
+    from ampbench.tracking import server
+    server.add_parsers(sub)  # team-server, team-user
     m = sub.add_parser("check-model", help="will a model run here? input size, roofline, fp8, one step per "
                                            "precision (seconds to a minute on a CPU)")
     m.add_argument("model", help="a model.arch (resnet18, vit_tiny, tv:<torchvision name>) or a factory "
@@ -310,6 +257,10 @@ def main() -> None:
         run_cli(lambda: mlflow_sync(args))
     elif args.command == "compare":
         run_cli(lambda: compare(args))
+    elif args.command == "team-server":
+        run_cli(lambda: server.team_server(args))
+    elif args.command == "team-user":
+        run_cli(lambda: server.team_user(args))
 
 
 if __name__ == "__main__":

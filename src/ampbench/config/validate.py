@@ -132,6 +132,13 @@ def micro_batch(batch_size: int, world: int, accum_steps: int, variant: str = ""
 
 
 def _cross_check(cfg: Config) -> None:
+    from ampbench.config.uri import redact
+    uri = cfg.mlflow.tracking_uri
+    if redact(uri) != uri:  # params.yaml is in git, in the report's changed params and in summary.json
+        raise ConfigError(f"params.yaml: mlflow.tracking_uri = {redact(uri)!r} holds a password; params.yaml is "
+                          "committed and copied into the report: leave tracking_uri empty and set the URI in the "
+                          "environment (export MLFLOW_TRACKING_URI=...), the password in ~/.pgpass for a database "
+                          "or in MLFLOW_TRACKING_PASSWORD for a server")
     for name, v in cfg.variants.items():
         own = precision.rung(v.precision).recipes
         if v.recipe and v.recipe not in own:

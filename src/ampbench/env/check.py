@@ -146,9 +146,9 @@ def tracking_warnings(cfg: config.Config) -> list[str]:
                    "(running MLflow's schema migrations, keeping artifacts on its own disk); for a team, run one "
                    "`mlflow server --serve-artifacts` on it and point every machine at that server's http:// "
                    "address (docs/team.md)")
-    problem = services.check_tracking_server(uri)
+    problem = services.check_tracking_server(uri, experiment=cfg.mlflow.experiment)  # with this account's right
     if problem:
-        out.append(f"MLflow tracking store {config.redact(uri)} {problem}. Training will run and keep its results "
+        out.append(f"MLflow tracking store {config.redact(uri)}: {problem}. Training will run and keep its results "
                    "on disk; log them later with `ampbench mlflow-sync`, or set mlflow.enabled: false")
     return out
 

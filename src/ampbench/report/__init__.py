@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ampbench.config import redact_text
 from ampbench.errors import DataError
 from ampbench.report import figures, sections
 from ampbench.report.summary import summarize
@@ -39,7 +40,9 @@ def build(runs_dir: Path, env: dict, report_md: Path, summary_json: Path, fig_di
         raise DataError(f"no finished runs under {runs_dir}; run the train stages first (dvc repro)")
     summary = summarize(runs, target_acc, sweep, roofline, paired)
     summary["missing"] = [name for name in variants if name not in runs]  # asked for, but no finished run
-    summary["params_changed"] = dict(sorted((changed_params or {}).items()))
+    # passwords redacted here too (params.yaml refuses them; a value set another way must not reach git)
+    summary["params_changed"] = {k: redact_text(v) if isinstance(v, str) else v
+                                 for k, v in sorted((changed_params or {}).items())}
     Path(fig_dir).mkdir(parents=True, exist_ok=True)  # a DVC output, even when no figure could be drawn
     drawn, summary["figures_not_drawn"] = figures.draw(summary, runs, fig_dir)
     summary["figures"] = [Path(os.path.relpath(f, report_md.parent)).as_posix() for f in drawn]

@@ -34,13 +34,15 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, Metric, Param  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from ampbench import results  # noqa: E402
 from ampbench.config import MlflowConfig, flatten, project_root, redact_text, tracking_uri  # noqa: E402
 from ampbench.errors import analysis  # noqa: E402
 from ampbench.results import fingerprint, git_commit  # noqa: E402
-from ampbench.tracking.logged_model import _log_model, _pins_taken_as_read  # noqa: E402, F401
+from ampbench.tracking import access  # noqa: E402
+from ampbench.tracking.logged_model import _log_model, _pins_taken_as_read, load_weights  # noqa: E402, F401
 from ampbench.tracking.runkeys import (  # noqa: E402, F401  the run key's rules (compare and the tests read them)
     KEY_TAG,
     PENDING_TAG,
@@ -61,7 +63,13 @@ def _experiment_id(client: MlflowClient, cfg: MlflowConfig, uri: str, repo_root:
     exp = client.get_experiment_by_name(cfg.experiment)
     if exp is not None:
         if KIND_TAG not in exp.tags:  # made by an older ampbench, or by hand: mark it, never overwrite a choice
-            client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
+            try:
+                client.set_experiment_tag(exp.experiment_id, KIND_TAG, KIND)
+            except MlflowException as err:  # an account with READ alone: its runs' own calls will say so
+                if access.status(err) != 403:
+                    raise
+                print(f"MLflow: skipped marking experiment {cfg.experiment!r} for the UI's training view: "
+                      f"{access.for_status(403, cfg.experiment)}", flush=True)
         return exp.experiment_id
     artifacts = None
     if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
@@ -132,7 +140,8 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
         return whole, False
     for partial in _runs_of(client, exp_id, key):  # a failure mid-logging left these: they are replaced
         _delete(client, exp_id, partial.info.run_id)
-    tags = {**{k: str(v) for k, v in tags.items() if v is not None}, PENDING_TAG: key}
+    # no password reaches the store (a URI in a command line, say): redacted as every printed line is
+    tags = {**{k: redact_text(str(v)) for k, v in tags.items() if v is not None}, PENDING_TAG: key}
     rid = client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id
     try:
         if inputs:
@@ -143,7 +152,7 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
                                      exp_id, rid, run_name, model, tags)
             if why:
                 client.set_tag(rid, "ampbench.logged_model", f"not logged: {why}; the weights are in {model}")
-        flat_params = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        flat_params = [Param(k, redact_text(str(v))[:6000]) for k, v in flatten(params).items()]
         ms = [Metric(k.replace(".", "/"), v, 0, 0, model_id=model_id if k in MODEL_METRICS else None) for k, v in
               ((k, _metric_value(v)) for k, v in flatten(metrics).items()) if v is not None]
         for row in history or []:
@@ -286,12 +295,12 @@ def safely(what: str, fn, cfg: MlflowConfig, repo_root: Path, *args) -> str | No
     try:
         rid, new = fn(cfg, repo_root, *args)
     except Exception as err:  # any store or network failure
-        first = redact_text((str(err).splitlines() or [""])[0])[:200]
-        print(f"warning: MLflow logging of {what} failed ({type(err).__name__}: {first}); the results are on "
-              "disk: log them later with `ampbench mlflow-sync`", flush=True)
+        why = access.describe(err, cfg.experiment)  # a credential, a right, a CA: said as what to do
+        print(f"warning: MLflow logging of {what} failed ({why}); the results are on disk: log them later with "
+              "`ampbench mlflow-sync`", flush=True)
         with contextlib.suppress(OSError):  # a marker that cannot be written must not hide the warning
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(f"{what}\n{type(err).__name__}: {first}\n")
+            marker.write_text(f"{what}\n{why}\n")
         return None
     marker.unlink(missing_ok=True)
     print(f"MLflow: {'logged' if new else 'already logged:'} {what} (run {rid})", flush=True)

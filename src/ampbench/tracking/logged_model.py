@@ -20,14 +20,10 @@ def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: 
     import torchvision
 
     from ampbench import models
-    from ampbench.config import ModelConfig
     saved = torch.load(path, map_location="cpu", weights_only=True)
     variant = run_name.split("@")[-1]
     # a factory that no longer builds what it trained raises here: the run is logged without the model
-    module = models.build(ModelConfig(**{**saved["model"], "freeze": tuple(saved["model"].get("freeze", ()))}),
-                          num_classes=saved["num_classes"], image_size=saved["image_size"], device="cpu",
-                          pretrained=False)  # its own trained weights, not the pretrained ones fetched again
-    module.load_state_dict(saved["state_dict"])
+    module = _built(saved)
     code = [Path(models.__file__).resolve().parents[1]]  # the ampbench package: built-in models unpickle from it
     factory = saved["model"].get("factory")
     if factory:
@@ -46,12 +42,45 @@ def _log_model(client: MlflowClient, uri: str, exp_id: str, rid: str, run_name: 
         with _pins_taken_as_read():
             mlflow.pytorch.log_model(module, name=variant, model_id=lm.model_id, serialization_format="pickle",
                                      code_paths=[str(p) for p in code if p.exists()], pip_requirements=requirements)
+        client.log_model_artifact(lm.model_id, str(path))  # the weights alone, for `load_weights` (no pickle)
     except Exception:
         client.finalize_logged_model(lm.model_id, "FAILED")
         raise
     finally:
         quiet.level = level
     return lm.model_id
+
+
+def _built(saved: dict):
+    """The architecture a weights file was trained in (built from its own record), with those weights."""
+    from ampbench import models
+    from ampbench.config import ModelConfig
+    module = models.build(ModelConfig(**{**saved["model"], "freeze": tuple(saved["model"].get("freeze", ()))}),
+                          num_classes=saved["num_classes"], image_size=saved["image_size"], device="cpu",
+                          pretrained=False)  # its own trained weights, not the pretrained ones fetched again
+    module.load_state_dict(saved["state_dict"])
+    return module
+
+
+def load_weights(model_id: str, tracking_uri: str | None = None):
+    """A LoggedModel's trained model without unpickling anything from the store: its weights file (tensors and
+    plain values, read with ``torch.load(weights_only=True)``) loaded into the architecture built by this
+    machine's code (ampbench's models; a ``model.factory`` runs the factory in the current folder). The safe way
+    for a model from a server others can write to: ``mlflow.pytorch.load_model`` unpickles the model, which runs
+    whatever code the pickle names."""
+    import tempfile
+
+    import mlflow
+    import torch
+    from mlflow.tracking import MlflowClient
+
+    from ampbench import results
+    location = MlflowClient(tracking_uri).get_logged_model(model_id).artifact_location
+    with tempfile.TemporaryDirectory() as tmp:
+        path = mlflow.artifacts.download_artifacts(artifact_uri=f"{location.rstrip('/')}/{results.MODEL}",
+                                                   dst_path=tmp, tracking_uri=tracking_uri)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    return _built(saved)
 
 
 @contextlib.contextmanager

@@ -62,9 +62,29 @@ def complete_run(client: MlflowClient, exp_id: str, key: str, status: str | None
     return first.info.run_id
 
 
+RETIRED_TAG = "ampbench.retired"  # a partial or duplicate run an account without MANAGE could not delete
+
+
 def _delete(client: MlflowClient, exp_id: str, rid: str) -> None:
-    """Delete a partial or duplicate run, and the LoggedModel it made."""
-    with contextlib.suppress(Exception):  # a store without LoggedModels
-        for m in client.search_logged_models([exp_id], filter_string=f"source_run_id = '{rid}'"):
-            client.delete_logged_model(m.model_id)
-    client.delete_run(rid)
+    """Delete a partial or duplicate run, and the LoggedModel it made. An account with EDIT alone may not delete
+    runs (MLflow's basic-auth asks for MANAGE): the run is retired instead, FAILED (out of every comparison),
+    tagged why, and without its key tags (out of every replay's search); the key tags go last, so a retirement
+    cut short is found and retired again."""
+    from mlflow.exceptions import MlflowException
+
+    from ampbench.tracking import access
+    try:
+        with contextlib.suppress(Exception):  # a store without LoggedModels; an account that may not delete them
+            for m in client.search_logged_models([exp_id], filter_string=f"source_run_id = '{rid}'"):
+                client.delete_logged_model(m.model_id)
+        client.delete_run(rid)
+    except MlflowException as err:
+        if access.status(err) != 403:
+            raise
+        client.set_tag(rid, RETIRED_TAG, "partial or duplicate: its results are in another run of this experiment")
+        client.set_terminated(rid, "FAILED")
+        for tag in (PENDING_TAG, KEY_TAG):
+            with contextlib.suppress(MlflowException):  # a run that never had its key
+                client.delete_tag(rid, tag)
+        print(f"MLflow: kept run {rid} as FAILED and tagged {RETIRED_TAG} rather than deleting it: deleting runs "
+              "needs MANAGE on the experiment, and this account has less", flush=True)
