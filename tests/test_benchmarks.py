@@ -15,8 +15,8 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     out = tmp_path / "check.json"
     proc = subprocess.run(
         [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--arch", "small_cnn",
-         "--batch", "16", "--steps", "3", "--warmup", "1", "--repeats", "2", "--acc-epochs", "1",
-         "--acc-images", "64", "--out", str(out)], capture_output=True, text=True, timeout=600)
+         "--batch", "8", "--steps", "2", "--warmup", "1", "--repeats", "2", "--acc-epochs", "1",
+         "--acc-images", "32", "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
     assert set(rows) == {"fp32_strict", "tf32", "fp16_amp", "bf16_amp", "fp16_amp_accum4"}

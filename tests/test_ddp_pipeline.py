@@ -20,6 +20,9 @@ DDP_VARIANTS = {"fp32": {"precision": "fp32", "accum_steps": 1},            # 2 
                 "bf16_accum": {"precision": "bf16", "accum_steps": 2, "grad_comm": "fp16"}}
 
 
+TRAIN, BATCH = 512, 32  # 16 steps an epoch
+
+
 def _ddp_params(variants: dict) -> dict:
     import copy
 
@@ -27,8 +30,8 @@ def _ddp_params(variants: dict) -> dict:
 
     from ampbench import sandbox
     params = sandbox.merge(copy.deepcopy(yaml.safe_load((sandbox.REPO_ROOT / "params.yaml").read_text())), {
-        "device": "cpu", "data": {"source": "synthetic", "train_size": 1024, "test_size": 64},
-        "model": {"arch": "small_cnn"}, "train": {"epochs": 3, "batch_size": 32, "warmup_steps": 2},
+        "device": "cpu", "data": {"source": "synthetic", "train_size": TRAIN, "test_size": 64},
+        "model": {"arch": "small_cnn"}, "train": {"epochs": 3, "batch_size": BATCH, "warmup_steps": 2},
         "sweep": {"enabled": False}, "profile": {"steps": 1}, "amp": {"audit_batches": 1},
         "paired": {"enabled": False},  # it times one-process variants alone (test_steadiness; the pipeline test)
         "distributed": {"nproc_per_node": WORLD}})
@@ -65,10 +68,10 @@ def _history(repo: Path, variant: str) -> list[list[str]]:
 def _same_history(rows: list[list[str]], reference: list[list[str]]) -> bool:
     """The same epochs, and the same losses, accuracy and lr to float32 rounding: resuming mid-epoch under DDP
     sums the epoch's loss over the ranks at the stop and again at the end, in another order than one run: fp32's
-    bound for a sum of K terms in any order, K x its unit roundoff (2^-24), K the epoch's 32 steps."""
+    bound for a sum of K terms in any order, K x its unit roundoff (2^-24), K the epoch's steps."""
     if len(rows) != len(reference) or rows[0] != reference[0]:
         return False
-    bound = 32 * 2.0 ** -24
+    bound = TRAIN // BATCH * 2.0 ** -24
     return all(a[0] == b[0] and [float(x) for x in a[1:]] == pytest.approx([float(x) for x in b[1:]], rel=bound)
                for a, b in zip(rows[1:], reference[1:], strict=True))
 
@@ -81,7 +84,7 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     metrics = {v: json.loads((repo / "reports" / "runs" / v / "metrics.json").read_text()) for v in DDP_VARIANTS}
     assert [metrics[v]["world_size"] for v in DDP_VARIANTS] == [2, 1, 2]
     assert metrics["bf16_accum"]["grad_comm"] == "fp16" and metrics["bf16_accum"]["micro_batch_size"] == 8
-    assert metrics["fp32"]["backend"] == "gloo" and metrics["fp32"]["optimizer_steps"] == 3 * 1024 // 32
+    assert metrics["fp32"]["backend"] == "gloo" and metrics["fp32"]["optimizer_steps"] == 3 * TRAIN // BATCH
     assert metrics["fp32"]["profile"]["communication"]["step_ms"] > 0
     for v in DDP_VARIANTS:  # one writer: one set of run files, one line saying so
         assert sorted(p.name for p in (repo / "reports" / "runs" / v).iterdir()) == sorted(
@@ -167,7 +170,7 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(dd
     while not ckpt.exists():  # the end of epoch 1
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.01)
-    time.sleep(random.Random(sig).uniform(0, 0.3))  # somewhere in epoch 2 (an epoch: 32 steps, about a second)
+    time.sleep(random.Random(sig).uniform(0, 0.2))  # somewhere in epoch 2 (an epoch: 16 steps, half a second)
     signum = getattr(signal, sig)
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)

@@ -180,7 +180,8 @@ MACHINES = {"a": {"cpu_model": "Team machine A (test)", "driver": "580.65.06"},
 
 
 @pytest.mark.slow
-def test_a_team_logs_to_an_authenticated_tls_server_with_one_account_each_and_compares(server, tmp_path):
+def test_a_team_logs_to_an_authenticated_tls_server_with_one_account_each_and_compares(server, postgres, tmp_path,
+                                                                                      capsys):
     """Two machines (two clones presenting two machines) log over TLS: alice's account (EDIT) logs every run; bob's
     (READ) trains, keeps its results and names the right it lacks, then logs them with `ampbench mlflow-sync` once
     the admin granted EDIT; `ampbench compare` sets them side by side. Anonymous, the server is refused in one
@@ -225,8 +226,15 @@ def test_a_team_logs_to_an_authenticated_tls_server_with_one_account_each_and_co
     assert not seen, seen
     assert list(server.artifacts.rglob("metrics.json"))  # artifacts went through the server, to its folder
 
-    granted = _cli("team-user", "bob", "--permission", "EDIT", "--experiment", "team", env=server.admin)
-    assert granted.returncode == 0 and "account bob existed: EDIT" in granted.stdout, granted.stderr[-2000:]
+    with pytest.MonkeyPatch.context() as admin:  # `ampbench team-user bob --permission EDIT`, in this process
+        import argparse
+
+        from ampbench.tracking.server import team_user
+        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_SERVER_CERT_PATH", "MLFLOW_TRACKING_USERNAME",
+                     "MLFLOW_TRACKING_PASSWORD"):
+            admin.setenv(name, server.admin[name])
+        team_user(argparse.Namespace(name="bob", permission="EDIT", experiment="team", new_password=False))
+    assert "account bob existed: EDIT" in capsys.readouterr().out
     synced = subprocess.run([sys.executable, "-m", "ampbench.cli", "mlflow-sync"], cwd=repos["b"], env=server.bob,
                             capture_output=True, text=True, timeout=300)
     assert synced.returncode == 0 and "MLflow: logged train@bf16" in synced.stdout, synced.stdout + synced.stderr
@@ -241,6 +249,12 @@ def test_a_team_logs_to_an_authenticated_tls_server_with_one_account_each_and_co
     assert len(rows) == 2 and "580.65.06" in rows[0] and "575.51.03" in rows[1], page
     assert all(" bf16 |" in page and "x (" in row for row in rows)  # a speedup with its interval per machine
     assert out.with_suffix(".png").is_file()
+    # a report made with a database URI holding its password in the environment (a machine writing directly)
+    direct = subprocess.run([sys.executable, "-m", "dvc", "repro", "--force", "--single-item", "report"],
+                            cwd=repos["a"], env={**server.anonymous, "MLFLOW_TRACKING_URI": postgres.uri},
+                            capture_output=True, text=True, timeout=300)
+    assert direct.returncode == 0 and "report (run " in direct.stdout, direct.stdout + direct.stderr  # one store
+    assert PASSWORD not in direct.stdout + direct.stderr
     for repo in repos.values():  # report.md, summary.json, the runs' files: no password anywhere
         for f in (repo / "reports").rglob("*"):
             if f.is_file():

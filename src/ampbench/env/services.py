@@ -51,65 +51,8 @@ def check_tracking_server(uri: str, timeout: float = 5.0, experiment: str = "") 
         return _check_database(uri, timeout)
     if not uri.startswith(("http://", "https://")):
         return None
-    from mlflow.exceptions import MlflowException
-    from mlflow.utils.credentials import get_default_host_creds
-    from mlflow.utils.rest_utils import http_request
-
-    from ampbench.tracking import access
-    creds = get_default_host_creds(uri.rstrip("/"))
-
-    def get(endpoint: str, **params):
-        return http_request(creds, endpoint, "GET", max_retries=0, timeout=timeout, raise_on_status=False,
-                            params=params or None)
-    try:
-        health = get("/health")
-        if health.status_code != 200:
-            return f"answered HTTP {health.status_code}"
-        found = get("/api/2.0/mlflow/experiments/search", max_results=1)
-        if found.status_code == 200 and experiment:
-            return _right(get, experiment)
-    except MlflowException as err:  # refused, timed out, a bad host, a certificate not trusted
-        text = str(err)
-        if "timed out" in text or "Timeout" in text:
-            return f"did not answer within {timeout:g}s"
-        return access.cause(err) or _reason(text)
-    if found.status_code == 200:
-        return None
-    return access.for_status(found.status_code) or (
-        f"answers, but not for its runs (HTTP {found.status_code}"
-        + (f": {_one_line(found.text[:300])}" if found.text else "") + "): is its database up?")
-
-
-def _right(get, experiment: str) -> str | None:
-    """Under MLflow's basic-auth app: whether this account may log to ``experiment`` (EDIT or MANAGE); None where
-    it may, where the experiment does not exist yet (the first run makes it), or where the server has no accounts."""
-    import os
-
-    from ampbench.tracking import access
-    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "")
-    exp = get("/api/2.0/mlflow/experiments/get-by-name", experiment_name=experiment)
-    if exp.status_code in (401, 403):
-        return access.for_status(exp.status_code, experiment)
-    if exp.status_code != 200 or not user:
-        return None
-    exp_id = exp.json()["experiment"]["experiment_id"]
-    right = get("/api/3.0/mlflow/users/permissions/get", username=user, resource_type="experiment",
-                resource_id=exp_id)
-    if right.status_code != 200:  # no basic-auth app: every client may write
-        return None
-    permission = right.json().get("permission", "")
-    if permission in ("EDIT", "MANAGE"):
-        return None
-    return access.for_status(403, experiment).replace("may not write", f"has {permission or 'no right'} and "
-                                                                        "may not write", 1)
-
-
-def _reason(text: str) -> str:
-    """The cause inside requests' "Max retries exceeded ... (Caused by NewConnectionError(...: [Errno 111]
-    Connection refused))": its last words."""
-    import re
-    found = re.findall(r"\[Errno -?\d+\] ([^'\")]+)", text)
-    return found[-1].strip() if found else _one_line(text)[:200]
+    from ampbench.tracking import access  # MLflow's client, its credentials and TLS settings
+    return access.check_server(uri.rstrip("/"), timeout, experiment)
 
 
 def _one_line(text: str) -> str:

@@ -1,7 +1,7 @@
-"""Why a tracking server refused, in one line a user can act on: credentials (401), a right on the experiment
-(403), a certificate this machine does not trust. Read from MLflow's own client errors, so its settings
-(MLFLOW_TRACKING_USERNAME / PASSWORD / TOKEN, MLFLOW_TRACKING_SERVER_CERT_PATH, MLFLOW_TRACKING_INSECURE_TLS) are
-the ones that applied."""
+"""Whether a tracking server takes this machine's runs, and why it refused, in one line a user can act on:
+credentials (401), a right on the experiment (403), a certificate this machine does not trust. Asked and read
+through MLflow's own client, so its settings (MLFLOW_TRACKING_USERNAME / PASSWORD / TOKEN,
+MLFLOW_TRACKING_SERVER_CERT_PATH, MLFLOW_TRACKING_INSECURE_TLS) are the ones that apply."""
 
 from __future__ import annotations
 
@@ -52,3 +52,68 @@ def first(err: BaseException) -> str:
 def describe(err: BaseException, experiment: str = "") -> str:
     """``cause`` if there is one, else the error's type and first line."""
     return cause(err, experiment) or f"{type(err).__name__}: {first(err)}"
+
+
+def check_server(uri: str, timeout: float, experiment: str = "") -> str | None:
+    """``env.check_tracking_server`` for an http(s) server, asked through MLflow's own HTTP client."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.credentials import get_default_host_creds
+    from mlflow.utils.rest_utils import http_request
+
+    creds = get_default_host_creds(uri)
+
+    def get(endpoint: str, **params):
+        return http_request(creds, endpoint, "GET", max_retries=0, timeout=timeout, raise_on_status=False,
+                            params=params or None)
+    try:
+        health = get("/health")
+        if health.status_code != 200:
+            return f"answered HTTP {health.status_code}"
+        found = get("/api/2.0/mlflow/experiments/search", max_results=1)
+        if found.status_code == 200 and experiment:
+            return _right(get, experiment)
+    except MlflowException as err:  # refused, timed out, a bad host, a certificate not trusted
+        text = str(err)
+        if "timed out" in text or "Timeout" in text:
+            return f"did not answer within {timeout:g}s"
+        return cause(err) or _reason(text)
+    if found.status_code == 200:
+        return None
+    return for_status(found.status_code) or (
+        f"answers, but not for its runs (HTTP {found.status_code}"
+        + (f": {_one_line(found.text[:300])}" if found.text else "") + "): is its database up?")
+
+
+def _right(get, experiment: str) -> str | None:
+    """Under MLflow's basic-auth app: whether this account may log to ``experiment`` (EDIT or MANAGE); None where
+    it may, where the experiment does not exist yet (the first run makes it), or where the server has no accounts."""
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "")
+    exp = get("/api/2.0/mlflow/experiments/get-by-name", experiment_name=experiment)
+    if exp.status_code in (401, 403):
+        return for_status(exp.status_code, experiment)
+    if exp.status_code != 200 or not user:
+        return None
+    exp_id = exp.json()["experiment"]["experiment_id"]
+    right = get("/api/3.0/mlflow/users/permissions/get", username=user, resource_type="experiment",
+                resource_id=exp_id)
+    if right.status_code != 200:  # no basic-auth app: every client may write
+        return None
+    permission = right.json().get("permission", "")
+    if permission in ("EDIT", "MANAGE"):
+        return None
+    return for_status(403, experiment).replace("may not write", f"has {permission or 'no right'} and may not "
+                                                                "write", 1)
+
+
+def _reason(text: str) -> str:
+    """The cause inside requests' "Max retries exceeded ... (Caused by NewConnectionError(...: [Errno 111]
+    Connection refused))": its last words."""
+    import re
+    found = re.findall(r"\[Errno -?\d+\] ([^'\")]+)", text)
+    return found[-1].strip() if found else _one_line(text)[:200]
+
+
+
+
+def _one_line(text: str) -> str:
+    return redact_text(" ".join(text.split()))
