@@ -87,10 +87,26 @@ def tiny_params(real_params) -> dict:
     return merge(copy.deepcopy(real_params), SHRINK)
 
 
+def _empty_store() -> Path:
+    """An MLflow SQLite store with its schema made and nothing in it, once per MLflow version for the session's
+    processes: a new store runs MLflow's migrations (about a second of CPU in the first process that logs to it)."""
+    import mlflow
+    template = Path(tempfile.gettempdir()) / "ampbench-tests" / f"mlflow-{mlflow.__version__}-empty.db"
+    if not template.is_file():
+        template.parent.mkdir(parents=True, exist_ok=True)
+        fresh = template.with_suffix(f".{os.getpid()}.tmp")
+        mlflow.MlflowClient(f"sqlite:///{fresh}").search_experiments()  # makes the schema
+        os.replace(fresh, template)  # whole, whichever worker finishes first
+    return template
+
+
 @pytest.fixture(autouse=True)
 def tmp_mlflow(tmp_path, monkeypatch):
-    """Never log to the user's store: every test gets its own."""
-    uri = f"sqlite:///{tmp_path / 'mlflow-test.db'}"
+    """Never log to the user's store: every test gets its own (an empty one, its schema already made)."""
+    import shutil
+    store = tmp_path / "mlflow-test.db"
+    shutil.copyfile(_empty_store(), store)
+    uri = f"sqlite:///{store}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
 

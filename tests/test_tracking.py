@@ -117,6 +117,15 @@ def test_training_survives_tracking_outage_then_syncs_once(tmp_path):
     # the same model with nothing unpickled from the store: the weights into the architecture built here
     safe = tracking.load_weights(out.model_id, store)
     assert type(safe) is type(loaded) and all(torch.equal(safe.state_dict()[k], v) for k, v in weights.items())
+    # a file that names a factory (code in the loader's folder) or an absurd size is refused unless asked for
+    from ampbench.errors import ConfigError
+    from ampbench.tracking.logged_model import trusted
+    record = {"model": {"arch": "small_cnn", "factory": "evil:build"}, "num_classes": 10, "image_size": 32}
+    with pytest.raises(ConfigError, match="factory 'evil:build'.*pass factory='evil:build'"):
+        trusted(record, "m-1")
+    assert trusted(record, "m-1", factory="evil:build") is record
+    with pytest.raises(ConfigError, match="asks for 10 classes at 10000000 px"):
+        trusted({**record, "model": {"arch": "small_cnn"}, "image_size": 10_000_000}, "m-1")
 
 
 def test_a_logged_model_pins_the_running_torch_without_scanning_every_installed_package(tmp_path, tmp_mlflow,

@@ -72,7 +72,8 @@ def compare(args) -> None:
     uri = config.tracking_uri(cfg, Path.cwd())
     problem = check_tracking_server(uri)
     if problem:
-        fix = "" if "MLFLOW_TRACKING" in problem else "; start it, or set MLFLOW_TRACKING_URI to the team's server"
+        said = ("MLFLOW_TRACKING", "account", "--allowed-hosts", "certificate", "TLS")  # a cause with its own fix
+        fix = "" if any(w in problem for w in said) else "; start it, or set MLFLOW_TRACKING_URI to the team's server"
         raise ConfigError(f"MLflow tracking server {config.redact(uri)}: {problem}{fix}")
     page, groups = cmp.report(cmp.MlflowClient(uri), args.experiment or cfg.experiment)
     out = Path(args.out)

@@ -30,9 +30,10 @@ def redact(uri: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """Any ``scheme://user:password@`` in a message (an error naming the URI it failed on) with *** for the
-    password."""
-    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
+    """Any ``scheme://user:password@`` in a message (an error naming the URI it failed on), and any
+    ``password=``, ``token=`` or ``secret=`` value (a URI's query, a connection string), with *** for the secret."""
+    text = re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
+    return re.sub(r"(?i)((?:password|passwd|pwd|token|secret)=)[^&\s'\"]*", r"\1***", text)
 
 
 def tracking_uri(cfg: MlflowConfig, repo_root: Path) -> str:

@@ -9,7 +9,13 @@ import os
 
 from ampbench.config import redact_text
 
-TLS_MARKS = ("CERTIFICATE_VERIFY_FAILED", "SSLCertVerificationError", "SSLError", "certificate verify failed")
+HOST_REFUSED = "Invalid Host header"  # MLflow's guard against DNS rebinding: a name not in --allowed-hosts
+
+
+def _user() -> str:
+    """The account MLflow's client sends: MLFLOW_TRACKING_USERNAME, else ~/.mlflow/credentials."""
+    from mlflow.utils.credentials import read_mlflow_creds
+    return read_mlflow_creds().username or ""
 
 
 def status(err: BaseException) -> int | None:
@@ -18,9 +24,13 @@ def status(err: BaseException) -> int | None:
     return code() if code else None
 
 
-def for_status(code: int, experiment: str = "") -> str | None:
-    """The cause of a refusal with this HTTP status, or None if it is not about credentials or rights."""
-    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "")
+def for_status(code: int, experiment: str = "", body: str = "") -> str | None:
+    """The cause of a refusal with this HTTP status (and body), or None if it is not about credentials or
+    rights."""
+    user = _user()
+    if code == 403 and HOST_REFUSED in body:
+        return ("the server refuses the name it was reached by: start it with --allowed-hosts naming the host:port "
+                "in MLFLOW_TRACKING_URI")
     where = f"experiment {experiment!r}" if experiment else "its experiments"
     if code == 401:
         if not user and not os.environ.get("MLFLOW_TRACKING_TOKEN"):
@@ -37,11 +47,16 @@ def for_status(code: int, experiment: str = "") -> str | None:
 def cause(err: BaseException, experiment: str = "") -> str | None:
     """What the user can do about ``err`` (a credential, a right, a CA), or None if it is none of these."""
     text = str(err)
-    if any(mark in text for mark in TLS_MARKS):
+    if "CERTIFICATE_VERIFY_FAILED" in text and ("Hostname mismatch" in text or "doesn't match" in text):
+        return ("its TLS certificate is for another name than the one in MLFLOW_TRACKING_URI: use a name the "
+                "certificate lists")
+    if "CERTIFICATE_VERIFY_FAILED" in text:
         return ("its TLS certificate is not one this machine trusts: set MLFLOW_TRACKING_SERVER_CERT_PATH to the "
                 "CA certificate (PEM) that signed it")
+    if "WRONG_VERSION_NUMBER" in text or "wrong version number" in text:
+        return "it does not speak TLS on that port: use http:// in MLFLOW_TRACKING_URI, or the server's TLS port"
     code = status(err)
-    return for_status(code, experiment) if code else None
+    return for_status(code, experiment, text) if code else None
 
 
 def first(err: BaseException) -> str:
@@ -79,7 +94,7 @@ def check_server(uri: str, timeout: float, experiment: str = "") -> str | None:
         return cause(err) or _reason(text)
     if found.status_code == 200:
         return None
-    return for_status(found.status_code) or (
+    return for_status(found.status_code, "", found.text) or (
         f"answers, but not for its runs (HTTP {found.status_code}"
         + (f": {_one_line(found.text[:300])}" if found.text else "") + "): is its database up?")
 
@@ -87,16 +102,19 @@ def check_server(uri: str, timeout: float, experiment: str = "") -> str | None:
 def _right(get, experiment: str) -> str | None:
     """Under MLflow's basic-auth app: whether this account may log to ``experiment`` (EDIT or MANAGE); None where
     it may, where the experiment does not exist yet (the first run makes it), or where the server has no accounts."""
-    user = os.environ.get("MLFLOW_TRACKING_USERNAME", "")
     exp = get("/api/2.0/mlflow/experiments/get-by-name", experiment_name=experiment)
     if exp.status_code in (401, 403):
-        return for_status(exp.status_code, experiment)
-    if exp.status_code != 200 or not user:
+        return for_status(exp.status_code, experiment, exp.text)
+    me = get("/api/2.0/mlflow/users/current")
+    if exp.status_code != 200 or me.status_code != 200:  # no such experiment yet (the first run makes it), or no
+        return None                                       # basic-auth app: every client may write
+    user = me.json().get("user", {})
+    if user.get("is_admin"):
         return None
     exp_id = exp.json()["experiment"]["experiment_id"]
-    right = get("/api/3.0/mlflow/users/permissions/get", username=user, resource_type="experiment",
-                resource_id=exp_id)
-    if right.status_code != 200:  # no basic-auth app: every client may write
+    right = get("/api/3.0/mlflow/users/permissions/get", username=user.get("username", ""),
+                resource_type="experiment", resource_id=exp_id)
+    if right.status_code != 200:
         return None
     permission = right.json().get("permission", "")
     if permission in ("EDIT", "MANAGE"):

@@ -62,12 +62,17 @@ def _built(saved: dict):
     return module
 
 
-def load_weights(model_id: str, tracking_uri: str | None = None):
+MAX_CLASSES, MAX_IMAGE = 1_000_000, 4096  # a weights file that asks for more is not one ampbench wrote
+
+
+def load_weights(model_id: str, tracking_uri: str | None = None, factory: str = ""):
     """A LoggedModel's trained model without unpickling anything from the store: its weights file (tensors and
     plain values, read with ``torch.load(weights_only=True)``) loaded into the architecture built by this
     machine's code (ampbench's models; a ``model.factory`` runs the factory in the current folder). The safe way
     for a model from a server others can write to: ``mlflow.pytorch.load_model`` unpickles the model, which runs
-    whatever code the pickle names."""
+    whatever code the pickle names. The file names its architecture: a built-in one (``resnet18``, ``tv:...``) is
+    built here; one built by a ``model.factory`` is refused unless the caller names that same factory
+    (``factory=``), so a file written by someone else cannot choose which of your modules is imported and run."""
     import tempfile
 
     import mlflow
@@ -80,7 +85,21 @@ def load_weights(model_id: str, tracking_uri: str | None = None):
         path = mlflow.artifacts.download_artifacts(artifact_uri=f"{location.rstrip('/')}/{results.MODEL}",
                                                    dst_path=tmp, tracking_uri=tracking_uri)
         saved = torch.load(path, map_location="cpu", weights_only=True)
-    return _built(saved)
+    return _built(trusted(saved, model_id, factory))
+
+
+def trusted(saved: dict, model_id: str, factory: str = "") -> dict:
+    """``saved`` (a weights file's record) if building what it names runs no code the caller did not name, and
+    asks for no more than ampbench writes; else a one-line refusal."""
+    from ampbench.errors import ConfigError
+    named = (saved.get("model") or {}).get("factory") or ""
+    if named and named != factory:
+        raise ConfigError(f"LoggedModel {model_id} was built by the factory {named!r}, code in your folder that "
+                          f"loading it would import and run: if you trust that, pass factory={named!r}")
+    if not (0 < int(saved.get("num_classes", 0)) <= MAX_CLASSES and 0 < int(saved.get("image_size", 0)) <= MAX_IMAGE):
+        raise ConfigError(f"LoggedModel {model_id}: its weights file asks for {saved.get('num_classes')} classes at "
+                          f"{saved.get('image_size')} px, not what ampbench writes; not loaded")
+    return saved
 
 
 @contextlib.contextmanager

@@ -39,7 +39,8 @@ def _store_failures_pass(fn, *args):
 
 
 def _runs_of(client: MlflowClient, exp_id: str, key: str) -> list:
-    """Every run of ``key``, whole or partial, in any status."""
+    """Every run of ``key``, whole or partial, in any status (a retired one too, whose retirement was cut short:
+    it is retired again)."""
     found = {}
     for tag in (KEY_TAG, PENDING_TAG):
         for run in client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{key}'", max_results=100):
@@ -52,7 +53,8 @@ def complete_run(client: MlflowClient, exp_id: str, key: str, status: str | None
     (``status``; FINISHED or FAILED as the stage said, when not given); of several (two writers), the first
     made. None when there is none."""
     runs = [r for r in client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=100)
-            if r.info.status == status or (status is None and r.info.status in ("FINISHED", "FAILED"))]
+            if (r.info.status == status or (status is None and r.info.status in ("FINISHED", "FAILED")))
+            and RETIRED_TAG not in r.data.tags]
     if not runs:
         return None
     first = min(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))
@@ -73,18 +75,30 @@ def _delete(client: MlflowClient, exp_id: str, rid: str) -> None:
     from mlflow.exceptions import MlflowException
 
     from ampbench.tracking import access
+    made = []
+    with contextlib.suppress(Exception):  # a store without LoggedModels
+        made = list(client.search_logged_models([exp_id], filter_string=f"source_run_id = '{rid}'"))
     try:
-        with contextlib.suppress(Exception):  # a store without LoggedModels; an account that may not delete them
-            for m in client.search_logged_models([exp_id], filter_string=f"source_run_id = '{rid}'"):
+        for m in made:
+            try:
                 client.delete_logged_model(m.model_id)
+            except MlflowException as err:  # a store that keeps no LoggedModels: only a refusal matters
+                if access.status(err) == 403:
+                    raise
         client.delete_run(rid)
     except MlflowException as err:
         if access.status(err) != 403:
             raise
+        # each step leaves the run found again and retired again if the next is cut: the tag that marks it first,
+        # its key (whole) before its status, its pending key last
         client.set_tag(rid, RETIRED_TAG, "partial or duplicate: its results are in another run of this experiment")
+        with contextlib.suppress(MlflowException):  # a run that never had its key
+            client.delete_tag(rid, KEY_TAG)
         client.set_terminated(rid, "FAILED")
-        for tag in (PENDING_TAG, KEY_TAG):
-            with contextlib.suppress(MlflowException):  # a run that never had its key
-                client.delete_tag(rid, tag)
+        for m in made:
+            with contextlib.suppress(MlflowException):  # a model deleted, or finalized already
+                client.finalize_logged_model(m.model_id, "FAILED")
+        with contextlib.suppress(MlflowException):
+            client.delete_tag(rid, PENDING_TAG)
         print(f"MLflow: kept run {rid} as FAILED and tagged {RETIRED_TAG} rather than deleting it: deleting runs "
               "needs MANAGE on the experiment, and this account has less", flush=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
@@ -99,10 +100,12 @@ def auth_ini(folder: Path, database_uri: str, default_permission: str, cache_s: 
     ``admin``, its first password from MLFLOW_AUTH_ADMIN_PASSWORD. A password checked is trusted for ``cache_s``
     seconds in each worker: MLflow hashes it with scrypt on every request otherwise (a run's log makes about a
     hundred), and a changed password or a deleted account takes that long to reach the other workers."""
+    if "\n" in database_uri or "\r" in database_uri:
+        raise ConfigError(f"{AUTH_DB_ENV} holds a line break; give the database's URI on one line")
     path = Path(folder) / "basic_auth.ini"
     text = ("[mlflow]\n"
             f"default_permission = {default_permission}\n"
-            f"database_uri = {database_uri}\n"
+            f"database_uri = {database_uri.replace('%', '%%')}\n"  # configparser: a password's %40 stays %40
             "admin_username = admin\n"
             "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
             f"auth_cache_ttl_seconds = {int(cache_s)}\n")
@@ -128,15 +131,24 @@ def team_server(args) -> None:
         raise ConfigError(f"--default-permission {args.default_permission}: give NO_PERMISSIONS (an account sees "
                           "only the experiments it was granted) or READ (every account reads every experiment)")
     tls = [args.tls_cert, args.tls_key]
+    loopback = args.host in ("127.0.0.1", "localhost", "::1")
+    if args.no_tls and any(tls):
+        raise ConfigError("--no-tls with --tls-cert or --tls-key: give the certificate and key, or --no-tls alone")
     if not all(tls) and not args.no_tls:
         raise ConfigError("give --tls-cert and --tls-key (PEM files: passwords cross the network in every request), "
-                          "or --no-tls where a reverse proxy in front serves TLS")
+                          "or --no-tls --host 127.0.0.1 where a reverse proxy on this machine serves TLS")
+    if args.no_tls and not loopback:
+        raise ConfigError(f"--no-tls on --host {args.host} would send every password in clear over the network: "
+                          "with --no-tls, serve on --host 127.0.0.1 behind the reverse proxy that serves TLS")
+    if not loopback and not args.allowed_hosts:
+        raise ConfigError(f"--host {args.host} needs --allowed-hosts NAME:PORT, the names clients reach this server "
+                          "by (MLflow refuses any other Host header: its guard against DNS rebinding)")
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path and not Path(path).is_file():
             raise ConfigError(f"{flag} {path}: no such file")
     Path(args.artifacts).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ampbench-auth-") as private:  # 0700
-        env = {**tracking.server_env(), STORE_ENV: store,
+        env = {**{k: v for k, v in tracking.server_env().items() if k != AUTH_DB_ENV}, STORE_ENV: store,
                "MLFLOW_AUTH_CONFIG_PATH": str(auth_ini(Path(private), auth_db, args.default_permission,
                                                          args.auth_cache_s)),
                # CSRF tokens for the UI's forms: a key per start unless the team sets one (several servers)
@@ -148,8 +160,8 @@ def team_server(args) -> None:
         if args.allowed_hosts:
             cmd += ["--allowed-hosts", args.allowed_hosts]
         if all(tls):
-            cmd += ["--uvicorn-opts", f"--ssl-certfile {Path(args.tls_cert).resolve()} "
-                                      f"--ssl-keyfile {Path(args.tls_key).resolve()}"]
+            cmd += ["--uvicorn-opts", f"--ssl-certfile {shlex.quote(str(Path(args.tls_cert).resolve()))} "
+                                      f"--ssl-keyfile {shlex.quote(str(Path(args.tls_key).resolve()))}"]
         scheme = "https" if all(tls) else "http"
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         print(f"MLflow team server on {scheme}://{args.host}:{args.port}: basic-auth (accounts' default right "
@@ -241,7 +253,7 @@ def add_parsers(sub) -> None:
     t = sub.add_parser("team-server", help="the team's MLflow server: accounts and rights (basic-auth), TLS; the "
                                            "databases from MLFLOW_BACKEND_STORE_URI and AMPBENCH_AUTH_DATABASE_URI")
     t.add_argument("--artifacts", required=True, help="the folder the server keeps every run's files in")
-    t.add_argument("--host", default="0.0.0.0")
+    t.add_argument("--host", default="0.0.0.0", help="the address to listen on (default: every interface)")
     t.add_argument("--port", type=int, default=5000)
     t.add_argument("--allowed-hosts", default="", help="host:port names clients reach it by (MLflow's DNS-rebinding "
                                                        "guard), e.g. tracking-host:5000")

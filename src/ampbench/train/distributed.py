@@ -193,6 +193,12 @@ class StopVote:
         self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=StopVote._group, async_op=True), flag)
         return agreed
 
+    def close(self) -> None:
+        """Wait for the last vote sent (every rank sent it), so none is in flight when the process group goes."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
 
 def shutdown() -> None:
     StopVote._group = None

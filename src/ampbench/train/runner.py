@@ -114,6 +114,7 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
         stopped.result = run_result(trainer)
         stopped.result.metrics.update(status="stopped: detect_anomaly", diagnosis={"anomaly": str(err)[:2000]})
         raise stopped from None
+    trainer.stop_vote.close()  # trained: no stop vote left in flight
     result = run_result(trainer)
     if world.main:  # the weights as trained: the profile below takes further steps
         result.weights = {k: v.detach().to("cpu", copy=True)
