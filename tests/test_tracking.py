@@ -207,12 +207,10 @@ def test_mlflow_ui_command_on_a_missing_store_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ending", ["SIGHUP", "SIGKILL"])
-def test_mlflow_ui_prints_its_page_once_the_server_answers_and_its_end_stops_every_process(tmp_path, tmp_mlflow,
-                                                                                          ending):
+def test_mlflow_ui_prints_its_page_once_the_server_answers_and_its_end_stops_every_process(tmp_path, tmp_mlflow):
     """A closed terminal's SIGHUP (handled as a process manager's SIGTERM and Ctrl-C are: one handler, caught for
-    all three), and a SIGKILL that no handler sees (the server learns of it from the kernel: PR_SET_PDEATHSIG):
-    the server and its workers go too."""
+    all three): the server and its workers go too. (A SIGKILL: the next test.)"""
+    ending = "SIGHUP"
     import signal
     import urllib.request
 
@@ -258,6 +256,30 @@ def test_mlflow_ui_prints_its_page_once_the_server_answers_and_its_end_stops_eve
                     with contextlib.suppress(psutil.Error):
                         p.kill()
             ui.wait()
+
+
+def test_a_server_ampbench_started_ends_when_ampbench_is_sigkilled(tmp_path):
+    """No handler sees a SIGKILL: the server learns of it from the kernel (PR_SET_PDEATHSIG, set as it starts in
+    ``server.run``, which starts mlflow-ui's and team-server's servers alike), so none is left holding its port."""
+    import signal
+
+    import psutil
+    starter = ("import os, sys; from ampbench.tracking import server; "
+               "server.run([sys.executable, '-c', 'import time; time.sleep(300)'], dict(os.environ), "
+               "'http://127.0.0.1:9', 300, 'test server', 'up')")  # port 9 never answers: it waits, the child runs
+    parent = subprocess.Popen([sys.executable, "-c", starter], env=env_with_venv(), stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while not psutil.Process(parent.pid).children():
+            assert parent.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        [child] = psutil.Process(parent.pid).children()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        child.wait(timeout=15)  # psutil.TimeoutExpired if it outlived its parent
+    finally:
+        if parent.poll() is None:
+            parent.kill()
 
 
 def test_a_server_starts_without_mlflow_s_job_runners_unless_the_user_asked_for_them(monkeypatch):

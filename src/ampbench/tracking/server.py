@@ -26,6 +26,7 @@ from ampbench.errors import ConfigError
 STORE_ENV = "MLFLOW_BACKEND_STORE_URI"  # MLflow's own: `mlflow server` reads its --backend-store-uri from it
 AUTH_DB_ENV = "AMPBENCH_AUTH_DATABASE_URI"  # the basic-auth app's users and permissions, a database of its own
 PERMISSIONS = ("NO_PERMISSIONS", "READ", "EDIT", "MANAGE")
+GRACE_S = 3  # uvicorn's wait for open connections at a stop; without a limit it waits for keep-alive clients
 
 
 def run(cmd: list[str], env: dict[str, str], probe: str, wait_s: float, what: str, ready: str) -> None:
@@ -159,9 +160,12 @@ def team_server(args) -> None:
                str(args.port), "--workers", str(args.workers)]
         if args.allowed_hosts:
             cmd += ["--allowed-hosts", args.allowed_hosts]
+        # a stop waits at most GRACE_S for clients' open connections (keep-alive ones never close on their own)
+        opts = f"--timeout-graceful-shutdown {GRACE_S}"
         if all(tls):
-            cmd += ["--uvicorn-opts", f"--ssl-certfile {shlex.quote(str(Path(args.tls_cert).resolve()))} "
-                                      f"--ssl-keyfile {shlex.quote(str(Path(args.tls_key).resolve()))}"]
+            opts += (f" --ssl-certfile {shlex.quote(str(Path(args.tls_cert).resolve()))}"
+                     f" --ssl-keyfile {shlex.quote(str(Path(args.tls_key).resolve()))}")
+        cmd += ["--uvicorn-opts", opts]
         scheme = "https" if all(tls) else "http"
         local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         print(f"MLflow team server on {scheme}://{args.host}:{args.port}: basic-auth (accounts' default right "
