@@ -37,6 +37,6 @@ from ampbench.config.schema import (  # noqa: F401  # noqa: F401  the underscore
     to_dict,
     variant_world,
 )
-from ampbench.config.uri import project_root, redact, redact_text, tracking_uri  # noqa: F401
+from ampbench.config.uri import one_line, project_root, redact, redact_text, tracking_uri  # noqa: F401
 from ampbench.config.validate import from_dict, load, micro_batch  # noqa: F401
 from ampbench.errors import ConfigError  # noqa: F401  what every refusal raises

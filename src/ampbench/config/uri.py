@@ -45,3 +45,8 @@ def tracking_uri(cfg: MlflowConfig, repo_root: Path) -> str:
     if cfg.tracking_uri:
         return cfg.tracking_uri
     return f"sqlite:///{project_root(repo_root) / 'mlflow.db'}"
+
+
+def one_line(text: str) -> str:
+    """``text`` (a server's answer, a driver's error) on one line, passwords redacted."""
+    return redact_text(" ".join(text.split()))

@@ -55,11 +55,6 @@ def check_tracking_server(uri: str, timeout: float = 5.0, experiment: str = "") 
     return access.check_server(uri.rstrip("/"), timeout, experiment)
 
 
-def _one_line(text: str) -> str:
-    from ampbench.config import redact_text
-    return redact_text(" ".join(text.split()))
-
-
 def _check_database(uri: str, timeout: float) -> str | None:
     import sqlalchemy  # MLflow's own dependency: the database store is SQLAlchemy's
     try:
@@ -68,4 +63,5 @@ def _check_database(uri: str, timeout: float) -> str | None:
             return None
     except Exception as err:  # a missing driver, a refused connection, a bad password: one line either way
         first = (str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__])[0]
-        return f"could not be reached ({_one_line(first)})"
+        from ampbench.config import one_line
+        return f"could not be reached ({one_line(first)})"

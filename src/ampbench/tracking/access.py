@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import os
 
-from ampbench.config import redact_text
+from ampbench.config import one_line, redact_text
+from ampbench.errors import first_line
 
 HOST_REFUSED = "Invalid Host header"  # MLflow's guard against DNS rebinding: a name not in --allowed-hosts
 
@@ -59,14 +60,9 @@ def cause(err: BaseException, experiment: str = "") -> str | None:
     return for_status(code, experiment, text) if code else None
 
 
-def first(err: BaseException) -> str:
-    """The error's first line, passwords redacted, at most 200 characters."""
-    return redact_text((str(err).strip().splitlines() or [""])[0])[:200]
-
-
 def describe(err: BaseException, experiment: str = "") -> str:
     """``cause`` if there is one, else the error's type and first line."""
-    return cause(err, experiment) or f"{type(err).__name__}: {first(err)}"
+    return cause(err, experiment) or redact_text(first_line(err))
 
 
 def check_server(uri: str, timeout: float, experiment: str = "") -> str | None:
@@ -96,7 +92,7 @@ def check_server(uri: str, timeout: float, experiment: str = "") -> str | None:
         return None
     return for_status(found.status_code, "", found.text) or (
         f"answers, but not for its runs (HTTP {found.status_code}"
-        + (f": {_one_line(found.text[:300])}" if found.text else "") + "): is its database up?")
+        + (f": {one_line(found.text[:300])}" if found.text else "") + "): is its database up?")
 
 
 def _right(get, experiment: str) -> str | None:
@@ -128,10 +124,4 @@ def _reason(text: str) -> str:
     Connection refused))": its last words."""
     import re
     found = re.findall(r"\[Errno -?\d+\] ([^'\")]+)", text)
-    return found[-1].strip() if found else _one_line(text)[:200]
-
-
-
-
-def _one_line(text: str) -> str:
-    return redact_text(" ".join(text.split()))
+    return found[-1].strip() if found else one_line(text)[:200]

@@ -220,7 +220,7 @@ def team_user(args) -> None:
     except MlflowException as err:
         why = ("only the server's admin adds accounts and grants rights: set MLFLOW_TRACKING_USERNAME=admin and "
                "MLFLOW_TRACKING_PASSWORD to its password") if access.status(err) == 403 else \
-            access.cause(err, args.experiment) or access.first(err)
+            access.describe(err, args.experiment)
         raise ConfigError(f"{redact(uri)}: {why}") from None
     print(f"account {args.name} {made}: {args.permission} on experiment {args.experiment!r} (id {exp_id}). On its "
           f"machine: export MLFLOW_TRACKING_URI={redact(uri)} MLFLOW_TRACKING_USERNAME={args.name} and "
