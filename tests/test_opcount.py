@@ -197,13 +197,36 @@ def test_torchvision_models_with_a_biased_conv_after_another_count_in_every_prec
     """Squeeze-and-excitation, Fire and ConvNeXt blocks feed one biased conv (or linear) the low-precision output of
     another: each model counts at 32x32, with the same FLOPs in every precision, every GEMM in its dtype."""
     model = torchvision.models.get_model(arch, weights=None, num_classes=10).to("meta")
-    flops = set()
+    flops, stepped = set(), {}
     for precision, dtype in (("fp32", "float32"), ("tf32", "float32"), ("fp16", "float16"), ("bf16", "bfloat16")):
         ops = opcount.count(copy.deepcopy(model), torch.empty(4, 3, 32, 32), torch.zeros(4, dtype=torch.long),
-                             precision, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+                             precision, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), stepped=stepped)
         flops.add(sum(o.flops for o in ops))
         assert {o.dtype for o in ops if o.flops} == {dtype}
     assert len(flops) == 1
+
+
+def test_precisions_that_count_the_model_as_it_is_share_one_stepped_copy_and_count_what_their_own_would():
+    """for_config counts every precision of one model: those that swap no layer count one copy of it, stepped once
+    (its optimizer's state made), each counted step the very ops a count of its own copy gives; fp8 and mxfp8,
+    which convert the model, count their own."""
+    from ampbench.precision import rung
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 32),
+                          nn.ReLU(), nn.Linear(32, 16))
+    train = config.from_dict({"train": {"optimizer": "adamw", "lr": 0.001}}).train
+    x, y = torch.empty(16, 3, 8, 8), torch.zeros(16, dtype=torch.long)
+    stepped = {}
+    for precision in ("fp32", "fp16", "bf16", "tf32", "fp8", "mxfp8"):
+        alone = opcount.count(copy.deepcopy(model), x, y, precision, lambda p: optim.for_count(p, train), clip=1.0)
+        shared = opcount.count(copy.deepcopy(model), x, y, precision, lambda p: optim.for_count(p, train), clip=1.0,
+                               stepped=stepped)
+        assert shared == alone, precision
+        assert any(o.name.startswith("_foreach") or "foreach" in o.name for o in shared if o.phase == "optimizer")
+        assert rung(precision).counts_model_as_is() is (precision not in ("fp8", "mxfp8"))
+    assert set(stepped) == {"model", "optimizer"} and stepped["optimizer"].state  # stepped once, then shared
+    assert not any(o.name == "zeros_like" for o in opcount.count(copy.deepcopy(model), x, y, "fp16",
+                                                                  lambda p: optim.for_count(p, train), stepped=stepped)
+                   if o.phase == "optimizer")  # a steady step: no state made
 
 
 def test_a_model_that_cannot_be_counted_names_the_op_and_its_error():

@@ -214,7 +214,7 @@ def _called_from(files: tuple[str, ...]) -> bool:
 
 def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: str,
           make_optimizer, recipe: str | None = None, ends: bool = False, fused: bool = False,
-          clip: float = 0.0, grad_norm: bool = False, inference: bool = False) -> list[Op]:
+          clip: float = 0.0, grad_norm: bool = False, inference: bool = False, stepped: dict | None = None) -> list[Op]:
     """Every op of one training step of ``model`` on batch ``(x, y)`` under ``precision``, on meta tensors
     (``inference``: of one forward pass in eval mode without gradients, as an inference benchmark times it).
 
@@ -223,13 +223,20 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     builds the optimizer the training uses (one that runs on meta tensors: foreach); ``fused``: the GPU runs its
     fused kernel instead, counted as one multi-tensor pass over parameters, gradients and state. ``clip`` > 0
     clips the gradients' norm first, ``grad_norm`` takes it without clipping. One step first, so the optimizer's
-    state exists (the counted step is a steady one).
+    state exists (the counted step is a steady one). ``stepped``: a dict shared by the counts of one model in
+    several precisions: a rung that counts the model as it is (no layer swapped) takes the model and optimizer a
+    count before it stepped, rather than a copy of its own stepped again (the state a step leaves has the same
+    tensors in every such precision; the ops a step runs on meta tensors are what the count costs).
     """
     from ampbench.precision import rung
 
     rung = rung(precision)
     block_fp8 = rung.converted_gemms(model, recipe, ends)
-    model = rung.roofline_model(model, recipe, ends).to("meta")
+    shared = stepped is not None and not inference and rung.counts_model_as_is()
+    if shared and "model" in stepped:
+        model, opt = stepped["model"], stepped["optimizer"]
+    else:
+        model = rung.roofline_model(model, recipe, ends).to("meta")
     x, y = x.to("meta"), y.to("meta")
     low = getattr(torch, rung.autocast) if rung.autocast else None
     fuse = rung.scaling_files
@@ -238,7 +245,8 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         with StepCounter(low, fuse, block_fp8) as counter, torch.no_grad():
             model(x)
         return counter.ops
-    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])  # a frozen one gets no state
+    if not (shared and "model" in stepped):
+        opt = make_optimizer([p for p in model.parameters() if p.requires_grad])  # a frozen one gets no state
 
     def step(counter: StepCounter):
         opt.zero_grad(set_to_none=True)
@@ -261,8 +269,11 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         if fused:
             counter.ops[start:] = [fused_step(opt)]
 
-    with StepCounter(low, fuse, block_fp8) as first:  # the optimizer's state made; counted too: a failure is named
-        step(first)
+    if not (shared and "model" in stepped):
+        with StepCounter(low, fuse, block_fp8) as first:  # the optimizer's state made; counted: a failure is named
+            step(first)
+        if shared:
+            stepped.update(model=model, optimizer=opt)
     with StepCounter(low, fuse, block_fp8) as counter:
         step(counter)
     return counter.ops
@@ -313,9 +324,10 @@ def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[
     y = torch.empty(batch, dtype=torch.long, device="meta")
     t0 = time.perf_counter()
     # the optimizer as a GPU runs it (train.optimizer_impl, auto resolved for CUDA: fused where it skips cleanly)
+    stepped = {}  # the unconverting precisions count one copy, stepped once
     ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: make_optimizer(params, cfg.train),
                     runplan.recipe(cfg, p), cfg.model.convert_ends,
                     fused=runplan.optimizer_impl(cfg, "", p, "cuda") == "fused", clip=cfg.train.clip_grad_norm,
-                    grad_norm=cfg.train.log_grad_norm, inference=inference) for p in precisions}
+                    grad_norm=cfg.train.log_grad_norm, inference=inference, stepped=stepped) for p in precisions}
     return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
             "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}

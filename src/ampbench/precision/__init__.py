@@ -85,6 +85,11 @@ class Rung:
         """The model the roofline counts (on meta tensors): prepared as training prepares it."""
         return self.prepare(model, recipe, ends)
 
+    def counts_model_as_is(self) -> bool:
+        """Whether the roofline counts the model as it is, no layer swapped (neither ``prepare`` nor
+        ``roofline_model`` overridden): such precisions may count one copy of the model and its optimizer."""
+        return type(self).prepare is Rung.prepare and type(self).roofline_model is Rung.roofline_model
+
     def converted_gemms(self, model, recipe: str | None, ends: bool = False):
         """For a rung the roofline counts unconverted: a function of a GEMM's two operand shapes that says whether
         the conversion runs it in fp8 (in blocks: the operands cast to fp8 with a scale per 32 values); None."""
