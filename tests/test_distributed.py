@@ -189,9 +189,10 @@ def _ranks(tmp_path: Path, worker) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-def _trainer(world: distributed.World, folder: str, variant: str, train=(), dist_params=()) -> Trainer:
-    """A Trainer of the small CNN on ``_ranks``'s data, batch 32, over ``world``."""
-    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
+def _trainer(world: distributed.World, folder: str, variant: str, train=(), dist_params=(), model=()) -> Trainer:
+    """A Trainer of the small CNN (or ``model``'s settings) on ``_ranks``'s data, batch 32, over ``world``."""
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn", **dict(model)},
+                            "mlflow": {"enabled": False},
                             "train": {"epochs": 1, "batch_size": 32, "warmup_steps": 0, **dict(train)},
                             "distributed": {"nproc_per_node": WORLD, **dict(dist_params)}})
     return Trainer(runplan.make_plan(cfg, variant, "cpu"), data.load_prepared(Path(folder) / "prepared", "cpu"),
@@ -285,6 +286,15 @@ def test_fp8_trains_under_ddp_with_the_ranks_in_step(tmp_path):
     assert ranks[0]["weights"] == ranks[1]["weights"] and all(math.isfinite(w) for w in ranks[0]["weights"])
 
 
+def one_block(num_classes: int = 10) -> torch.nn.Module:
+    """The compile test's model (``model.factory``): one conv-BN-ReLU block of the small CNN's and a linear head.
+    Inductor compiles C++ for each kernel it generates, about 1.7 CPU-seconds each with a cold cache (a fresh
+    clone's CI: its key holds the environment's paths): this model's fp16 step has a third of the small CNN's."""
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, padding=1, bias=False), torch.nn.BatchNorm2d(16),
+                               torch.nn.ReLU(inplace=True), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(16, num_classes))
+
+
 def _compile_worker(rank: int, port: int, folder: str) -> None:
     import functools
 
@@ -294,7 +304,8 @@ def _compile_worker(rank: int, port: int, folder: str) -> None:
     inductor = torch.compile
     for compiled in ("eager", "aot_eager", "inductor"):  # amp_accum: fp16, 4 micro-batches, no_sync on the first 3
         torch.compile = functools.partial(inductor, backend="aot_eager") if compiled == "aot_eager" else inductor
-        trainer = _trainer(world, folder, "amp_accum", train={"compile": compiled != "eager"})
+        trainer = _trainer(world, folder, "amp_accum", train={"compile": compiled != "eager"},
+                           model={"factory": "tests.test_distributed:one_block"})
         start = [p.detach().clone() for p in trainer.model.parameters()]
         batches = trainer.train_batches.epoch(0)
         counters.clear()
@@ -319,8 +330,9 @@ def test_torch_compile_under_ddp_keeps_the_ranks_in_step_with_eager_ddp(tmp_path
     backend) give eager's weights bit for bit: the capture, the graph split at DDP's buckets and no_sync change no
     arithmetic. Inductor's generated kernels round fp16 at other points than eager's (it keeps fused intermediates
     in fp32), and how far that moves three steps depends on the model's conditioning, not on fp16's unit roundoff
-    (by 1.9% of the first convolution's largest update after three steps on an Intel Xeon): for Inductor the test
-    asserts what holds on any CPU, the ranks bit-identical and the weights trained."""
+    (the small CNN's first convolution: by 1.9% of its largest update after three steps on an Intel Xeon): for
+    Inductor the test asserts what holds on any CPU, the ranks bit-identical and the weights trained. The model is
+    one block of the small CNN's (``one_block``): Inductor's C++ for a third of the kernels."""
     ranks = _ranks(tmp_path, _compile_worker)
     assert ranks[0] == ranks[1]  # every rank runs the same kernels on the same all-reduced gradients
     assert not ranks[0]["eager"]["compiled"] and ranks[0]["aot_eager"]["compiled"] and ranks[0]["inductor"]["compiled"]

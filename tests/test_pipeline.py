@@ -97,6 +97,7 @@ def test_dvc_metrics_plots_and_lock(pipeline):
     assert shown.returncode == 0 and "speedup" in shown.stdout and "final_acc" in shown.stdout
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert {"env_check", "data", "paired", "report", *(f"train@{v}" for v in VARIANTS)} <= set(lock["stages"])
+    assert _dvc(repo, "config", "core.analytics").stdout.strip() == "false"  # the sandbox sends DVC nothing
 
 
 def test_mlflow_has_a_run_per_stage(pipeline):

@@ -4,7 +4,6 @@ count kept per params."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 
 import pytest
@@ -85,14 +84,19 @@ def test_a_gpu_name_finds_its_own_row_and_no_namesakes():
         assert any(f"{part} is not in the datasheet table" in w and "n/a" in w for w in warned)
 
 
-def test_roofline_command_prints_every_gpu_and_refuses_a_bad_name(tmp_path):
+def test_roofline_command_prints_every_gpu_and_refuses_a_bad_name(tmp_path, monkeypatch, capsys):
+    from ampbench import cli
     (tmp_path / "params.yaml").write_text("device: cpu\ndata: {source: synthetic}\nmodel: {arch: small_cnn}\n")
-    run = [sys.executable, "-m", "ampbench.cli", "roofline", "--params", str(tmp_path / "params.yaml")]
-    out = subprocess.run(run + ["--gpu", "all"], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert "| RTX 5090 |" in out.stdout and "| H100 SXM |" in out.stdout and "What a roofline is" in out.stdout
-    bad = subprocess.run(run + ["--gpu", "RTX 9999"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "the table has: B200" in bad.stderr
+    run = ["ampbench", "roofline", "--params", str(tmp_path / "params.yaml")]
+    monkeypatch.setattr(sys, "argv", run + ["--gpu", "all"])
+    cli.main()
+    out = capsys.readouterr().out
+    assert "| RTX 5090 |" in out and "| H100 SXM |" in out and "What a roofline is" in out
+    monkeypatch.setattr(sys, "argv", run + ["--gpu", "RTX 9999"])
+    with pytest.raises(SystemExit) as bad:  # run_cli's exit: one line, no traceback
+        cli.main()
+    said = capsys.readouterr().err
+    assert bad.value.code == 2 and said.count("\n") == 1 and "the table has: B200" in said
 
 
 def test_the_roofline_of_an_inference_pass_counts_the_forward_alone(tmp_path, monkeypatch, capsys):

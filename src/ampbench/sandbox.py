@@ -71,7 +71,9 @@ def create(dest: Path, params: dict, source: Path = REPO_ROOT) -> Path:
         (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/data/raw/\n/checkpoints/\n")
     if not (dest / ".dvc").exists():
         _run([sys.executable, "-m", "dvc", "init", "-q"], dest)
-        _run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], dest)
+        # what `dvc config core.analytics false` writes into the new repository's empty config, without a second
+        # DVC process
+        (dest / ".dvc" / "config").write_text("[core]\n    analytics = false\n")
     shutil.copytree(source / ".dvc" / "plots", dest / ".dvc" / "plots", dirs_exist_ok=True)  # plot templates
     commit(dest, "ampbench pipeline")  # so that `dvc exp run` works there
     return dest
