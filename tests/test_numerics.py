@@ -58,7 +58,7 @@ def tiny(tmp_path_factory):
 def _plan(variant="amp", precision="fp16", **extra):
     raw = {"device": "cpu", "model": {"arch": "small_cnn", "channels_last": False},
            "train": {"epochs": 2, "batch_size": 16, "warmup_steps": 1},
-           "amp": {"max_consecutive_nonfinite": 3, "audit_batches": 1},
+           "amp": {"max_consecutive_nonfinite": 3, "audit_batches": 1}, "profile": {"steps": 0},
            "variants": {variant: {"precision": precision, "accum_steps": 1}}}
     for key, value in extra.items():
         raw[key] = {**raw.get(key, {}), **value}

@@ -69,6 +69,12 @@ def _plan(tiny_params, variant, **train):
     return runplan.make_plan(config.from_dict(tiny_params), variant, "cpu")
 
 
+@pytest.fixture(autouse=True)
+def _no_profile(tiny_params):
+    """The step profile after training is not what these tests check (test_profile does): its steps left out."""
+    tiny_params["profile"]["steps"] = 0
+
+
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("prepared")
