@@ -229,6 +229,20 @@ def test_precisions_that_count_the_model_as_it_is_share_one_stepped_copy_and_cou
                    if o.phase == "optimizer")  # a steady step: no state made
 
 
+def test_tf32_takes_fp32s_count_of_the_same_step_and_every_other_precision_is_counted(monkeypatch):
+    """tf32 runs fp32's ops (TF32 changes the rate the datasheet gives a GEMM, not an op): for_config copies fp32's
+    count instead of stepping the model again; every precision that autocasts, scales or converts is counted."""
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn", "input_size": 16},
+                            "train": {"batch_size": 8}})
+    counted, real = [], opcount.count
+    monkeypatch.setattr(opcount, "count", lambda model, x, y, precision, *a, **kw: counted.append(precision) or
+                        real(model, x, y, precision, *a, **kw))
+    found = opcount.for_config(cfg, optim.for_count, precisions=("fp32", "tf32", "fp16", "bf16", "fp8"))["ops"]
+    assert counted == ["fp32", "fp16", "bf16", "fp8"]
+    assert found["tf32"] == found["fp32"] and found["tf32"][0] is not found["fp32"][0]  # equal, not shared
+    assert found["fp16"] != found["fp32"] and found["bf16"] != found["fp16"]
+
+
 def test_a_model_that_cannot_be_counted_names_the_op_and_its_error():
     class DataDependent(torch.nn.Module):
         def __init__(self):

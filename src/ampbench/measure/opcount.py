@@ -18,7 +18,7 @@ The optimizer is passed in (``make_optimizer``): what trains the model is traini
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -313,7 +313,7 @@ def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[
     import time
 
     from ampbench import data, models, runplan
-    from ampbench.precision import names
+    from ampbench.precision import names, rung
 
     precisions = precisions or names()
     batch = batch or cfg.train.batch_size
@@ -325,9 +325,19 @@ def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[
     t0 = time.perf_counter()
     # the optimizer as a GPU runs it (train.optimizer_impl, auto resolved for CUDA: fused where it skips cleanly)
     stepped = {}  # the unconverting precisions count one copy, stepped once
-    ops = {p: count(copy.deepcopy(model), x, y, p, lambda params: make_optimizer(params, cfg.train),
-                    runplan.recipe(cfg, p), cfg.model.convert_ends,
-                    fused=runplan.optimizer_impl(cfg, "", p, "cuda") == "fused", clip=cfg.train.clip_grad_norm,
-                    grad_norm=cfg.train.log_grad_norm, inference=inference, stepped=stepped) for p in precisions}
+    ops, same_step = {}, {}
+    for p in precisions:
+        r, fused = rung(p), runplan.optimizer_impl(cfg, "", p, "cuda") == "fused"
+        # a precision that swaps no layer and autocasts, scales and fuses as one counted before runs its very ops
+        # (tf32 as fp32: TF32 changes the rate the datasheet gives a GEMM, not an op)
+        key = (r.autocast, r.grad_scaler, r.scaling_files, fused) if r.counts_model_as_is() else None
+        if key in same_step:
+            ops[p] = [replace(op) for op in ops[same_step[key]]]
+            continue
+        ops[p] = count(copy.deepcopy(model), x, y, p, lambda params: make_optimizer(params, cfg.train),
+                       runplan.recipe(cfg, p), cfg.model.convert_ends, fused=fused, clip=cfg.train.clip_grad_norm,
+                       grad_norm=cfg.train.log_grad_norm, inference=inference, stepped=stepped)
+        if key is not None:
+            same_step[key] = p
     return {"ops": ops, "summary": summarize_ops(ops[precisions[0]]), "model": models.name(cfg.model),
             "batch": batch, "input_size": size, "count_s": time.perf_counter() - t0}
