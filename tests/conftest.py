@@ -47,7 +47,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # --no-loadscope-reorder keeps this order: xdist would otherwise put the files with the most tests first).
 LONGEST_FIRST = ("test_zoo", "test_queue", "test_pipeline", "test_ddp_pipeline", "test_team", "test_resume",
                  "test_folder_stream", "test_tracking", "test_replay", "test_finetune", "test_fp8", "test_sweep",
-                 "test_analyses", "test_distributed", "test_models")
+                 "test_analyses", "test_distributed", "test_ddp_trainer", "test_models")
 
 
 def pytest_collection_modifyitems(config, items):
