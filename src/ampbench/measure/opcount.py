@@ -233,7 +233,8 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
     rung = rung(precision)
     block_fp8 = rung.converted_gemms(model, recipe, ends)
     shared = stepped is not None and not inference and rung.counts_model_as_is()
-    if shared and "model" in stepped:
+    reuse = shared and "model" in stepped  # a count before this one stepped the model: its state exists
+    if reuse:
         model, opt = stepped["model"], stepped["optimizer"]
     else:
         model = rung.roofline_model(model, recipe, ends).to("meta")
@@ -245,7 +246,7 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         with StepCounter(low, fuse, block_fp8) as counter, torch.no_grad():
             model(x)
         return counter.ops
-    if not (shared and "model" in stepped):
+    if not reuse:
         opt = make_optimizer([p for p in model.parameters() if p.requires_grad])  # a frozen one gets no state
 
     def step(counter: StepCounter):
@@ -269,7 +270,7 @@ def count(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, precision: s
         if fused:
             counter.ops[start:] = [fused_step(opt)]
 
-    if not (shared and "model" in stepped):
+    if not reuse:
         with StepCounter(low, fuse, block_fp8) as first:  # the optimizer's state made; counted: a failure is named
             step(first)
         if shared:
@@ -334,7 +335,9 @@ def for_config(cfg, make_optimizer, batch: int | None = None, precisions: tuple[
         if key in same_step:
             ops[p] = [replace(op) for op in ops[same_step[key]]]
             continue
-        ops[p] = count(copy.deepcopy(model), x, y, p, lambda params: make_optimizer(params, cfg.train),
+        # a precision that will take the stepped copy reads nothing of its own: no copy made for it
+        own = model if "model" in stepped and r.counts_model_as_is() and not inference else copy.deepcopy(model)
+        ops[p] = count(own, x, y, p, lambda params: make_optimizer(params, cfg.train),
                        runplan.recipe(cfg, p), cfg.model.convert_ends, fused=fused, clip=cfg.train.clip_grad_norm,
                        grad_norm=cfg.train.log_grad_norm, inference=inference, stepped=stepped)
         if key is not None:
