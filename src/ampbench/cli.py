@@ -103,7 +103,7 @@ def mlflow_ui(args) -> None:
     print(f"MLflow UI for {config.redact(uri)}: starting on {base} ...", flush=True)
     # the store's URI (a database's may hold its password) in MLflow's own variable: no command line shows it
     server.run([sys.executable, "-m", "mlflow", "ui", "--host", args.host, "--port", str(args.port),
-                "--uvicorn-opts", f"--timeout-graceful-shutdown {server.GRACE_S}"],
+                "--uvicorn-opts", server.GRACE_OPTS],
                {**tracking.server_env(), server.STORE_ENV: uri}, base, args.wait, "MLflow UI",
                f"open {tracking.ui_url(base, exp_id)}\n"
                f"  the runs table: search tags.`ampbench.pipeline` = '{pipeline or '<id>'}' for one pipeline's runs, "

@@ -27,6 +27,7 @@ STORE_ENV = "MLFLOW_BACKEND_STORE_URI"  # MLflow's own: `mlflow server` reads it
 AUTH_DB_ENV = "AMPBENCH_AUTH_DATABASE_URI"  # the basic-auth app's users and permissions, a database of its own
 PERMISSIONS = ("NO_PERMISSIONS", "READ", "EDIT", "MANAGE")
 GRACE_S = 3  # uvicorn's wait for open connections at a stop; without a limit it waits for keep-alive clients
+GRACE_OPTS = f"--timeout-graceful-shutdown {GRACE_S}"  # the --uvicorn-opts both servers start with
 
 
 def run(cmd: list[str], env: dict[str, str], probe: str, wait_s: float, what: str, ready: str) -> None:
@@ -161,7 +162,7 @@ def team_server(args) -> None:
         if args.allowed_hosts:
             cmd += ["--allowed-hosts", args.allowed_hosts]
         # a stop waits at most GRACE_S for clients' open connections (keep-alive ones never close on their own)
-        opts = f"--timeout-graceful-shutdown {GRACE_S}"
+        opts = GRACE_OPTS
         if all(tls):
             opts += (f" --ssl-certfile {shlex.quote(str(Path(args.tls_cert).resolve()))}"
                      f" --ssl-keyfile {shlex.quote(str(Path(args.tls_key).resolve()))}")
