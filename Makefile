@@ -23,7 +23,13 @@ endif
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-install: $(VENV)/.installed
+# `dvc plots show`'s page with vega, vega-lite and vega-embed inline, so plots draw offline: what .dvc/config's
+# plots.html_template names, made from the pinned vl-convert-python, not committed
+PLOTS_PAGE := .dvc/plots.html
+$(PLOTS_PAGE): $(VENV)/.installed
+	$(PY) -m ampbench.report.dvc_template $@
+
+install: $(VENV)/.installed $(PLOTS_PAGE)
 
 repro: install
 	dvc repro

@@ -1,7 +1,8 @@
-"""Stage report: runs on disk -> reports/report.md, summary.json (DVC metrics) and figures.
+"""Stage report: runs on disk -> reports/report.md, report.html, metrics.json (DVC metrics), summary.json, figures.
 
     python stages/report.py --params params.yaml --runs reports/runs --env reports/env.json \
-        --report reports/report.md --summary reports/summary.json --figures reports/figures
+        --report reports/report.md --html reports/report.html --metrics reports/metrics.json \
+        --summary reports/summary.json --figures reports/figures
 """
 
 import argparse
@@ -28,7 +29,9 @@ def main() -> None:
     ap.add_argument("--plans", required=True, help="the run plans, to tag the report with its pipeline")
     ap.add_argument("--sweep", default="", help="sweep.json of the sweep stage (optional)")
     ap.add_argument("--report", required=True)
-    ap.add_argument("--summary", required=True)
+    ap.add_argument("--html", required=True, help="the report as one self-contained page")
+    ap.add_argument("--metrics", required=True, help="the headline figures per variant: DVC's declared metric")
+    ap.add_argument("--summary", required=True, help="every figure the report shows")
     ap.add_argument("--figures", required=True)
     ap.add_argument("--curves", required=True, help="per-epoch curves of all variants, for dvc plots")
     ap.add_argument("--roofline", default="", help="env_check's roofline.json (optional)")
@@ -44,7 +47,8 @@ def main() -> None:
     summary = report.build(Path(args.runs), info, md, summary_path, fig_dir, list(cfg.variants), changed,
                            curves_csv=Path(args.curves), target_acc=cfg.train.target_acc,
                            sweep=_optional_json(args.sweep), roofline=_optional_json(args.roofline),
-                           paired=_optional_json(args.paired))
+                           paired=_optional_json(args.paired), metrics_json=Path(args.metrics),
+                           report_html=Path(args.html))
     built = int(time.time() * 1000)
     print(f"report: {md} ({len(summary['variants'])} variants, baseline {summary['baseline']})")
 
@@ -52,7 +56,7 @@ def main() -> None:
         from ampbench import tracking
         pipeline = tracking.pipeline_id(Path(args.plans), Path(args.env))
         tracking.safely("report", tracking.log_report, cfg.mlflow, Path.cwd(), md, summary_path, fig_dir, info,
-                        pipeline, (started, built))
+                        pipeline, (started, built), Path(args.html), Path(args.metrics))
         tracking.safely("the ratios on the training runs", tracking.log_comparison, cfg.mlflow, Path.cwd(),
                         summary_path, Path(args.runs))
         waiting = results.pending_line(config.project_root(Path.cwd()))

@@ -162,3 +162,9 @@ def overflow_at(monkeypatch, n: int) -> None:
         return loss
 
     monkeypatch.setattr(step, "accumulate_gradients", poisoned)
+
+
+def verdict_of(md: str) -> str:
+    """The report's verdict in full (its section's bullets, one per line), from report.md's text."""
+    section = md.split("## The verdict in full", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(line[2:] for line in section.splitlines() if line.startswith("- "))

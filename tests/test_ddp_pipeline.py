@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import verdict_of
 from tests.test_distributed import WORLD
 
 DDP_VARIANTS = {"fp32": {"precision": "fp32", "accum_steps": 1},            # 2 processes
@@ -101,7 +102,7 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     assert "## Past one process: data-parallel training (DDP)" in report
     assert "| fp32 | 2 | gloo | fp32 |" in report and "`fp32_1proc`" in report
     assert "- Processes: 2 (torchrun, gloo backend) for fp32, bf16_accum; one for fp32_1proc" in report
-    assert "Data-parallel over 2 processes (gloo): fp32 ran " in report.splitlines()[2]  # the verdict says it
+    assert "Data-parallel over 2 processes (gloo): fp32 ran " in verdict_of(report)  # the verdict says it
     summary = json.loads((repo / "reports" / "summary.json").read_text())
     row = next(r for r in summary["scaling"]["rows"] if r["variant"] == "fp32")
     assert row["efficiency"] == pytest.approx(metrics["fp32"]["imgs_per_s"] / (2 * metrics["fp32_1proc"]["imgs_per_s"]))

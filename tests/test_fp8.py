@@ -16,6 +16,7 @@ from ampbench.errors import ConfigError, EnvironmentMismatch
 from ampbench.sandbox import REPO_ROOT
 from ampbench.train import setup
 from ampbench.train.policy import PrecisionPolicy
+from tests.conftest import verdict_of
 from tests.test_env import CU130, _fake_gpu
 
 
@@ -246,7 +247,8 @@ def test_fp8_and_mxfp8_run_through_dvc_repro_on_vit_tiny(tmp_path):
     assert {p["variant"] for p in sweep["points"]} == {"fp32", "fp8", "mxfp8"}
     md = (r / "report.md").read_text()
     # eager on a CPU, and labelled so wherever its figures are
-    assert "fp8 (FP8, eager)" in md.split("## ")[0] and "| fp8 | fp8 (eager) | 1 |" in md
+    assert "fp8 (FP8, eager)" in verdict_of(md) and "| fp8 | fp8 (eager) | 1 |" in md
+    assert md.startswith("# FP8, eager: ")  # the title too
     assert "| mx | mxfp8 (eager) | 1 |" in md and "fp8, mxfp8 ran eager" in md  # the sweep's points too
     assert "fp8 has no loss scale" in md and "fp8 (tensorwise) runs 12 Linear layers in float8" in md
     assert "mxfp8 (mxfp8_emulated_rceil) runs 18 Linear layers in MX fp8" in md and "mxfp8 has no loss scale" in md

@@ -14,6 +14,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from ampbench import results, sandbox, tracking
+from tests.conftest import verdict_of
 
 pytestmark = pytest.mark.slow
 VARIANTS = ["fp32", "tf32", "amp", "amp_accum"]
@@ -67,12 +68,13 @@ def test_every_declared_output_exists(pipeline):
     assert set(summary["variants"]) == set(VARIANTS) and summary["variants"]["fp32"]["speedup"] == 1.0
     for fig in ("throughput", "memory", "curves", "loss_scale", "numerics_audit", "profile"):
         assert (r / "figures" / f"{fig}.png").is_file(), fig
-    md_lines = md.splitlines()
-    assert md_lines[2].startswith("On this CPU") and "FP16-AMP" in md_lines[2]  # the verdict comes first
+    verdict = verdict_of(md)
+    assert verdict.startswith("On this CPU") and "FP16-AMP" in verdict
+    _first_screen_answers(md)
     assert "## Numerical safety" in md and "fp16 numerics audit of `amp`" in md
     tf32 = json.loads((r / "runs" / "tf32" / "metrics.json").read_text())
     assert tf32["tf32"]["matmul_fp32_precision"] == "tf32" and "on a CPU tf32 is fp32" in md
-    assert "Against each rung of the ladder: tf32 " in md_lines[2] and "; amp (fp16) " in md_lines[2]
+    assert "Against each rung of the ladder: tf32 " in verdict and "; amp (fp16) " in verdict
     assert "## Why: the step profile" in md and "| conv/matmul |" in md and "The step profile (amp against fp32" in md
     for v in VARIANTS:  # the profile: in metrics.json, and its trace as a run file
         assert json.loads((r / "runs" / v / "metrics.json").read_text())["profile"]["categories"]["conv/matmul"]
@@ -85,7 +87,47 @@ def test_every_declared_output_exists(pipeline):
     assert all(len(v) == 1 for v in found["imgs_per_s"].values()) and found["baseline"] == "fp32"
     assert "## Steadiness and the paired check" in md and "| amp | fp16 |" in md
     assert summary["variants"]["amp"]["paired"]["rounds"] == found["vs_fp32"]["amp"]["rounds"]
-    assert "6 rounds agreeing are needed" in md_lines[2]  # 1 round: measured, no claim
+    assert "6 rounds agreeing are needed" in verdict  # 1 round: measured, no claim
+    _headline_metrics(json.loads((r / "metrics.json").read_text()), summary)
+    _self_contained_page((r / "report.html").read_text(), len(list((r / "figures").glob("*.png"))))
+
+
+def _first_screen_answers(md: str) -> None:
+    """The title carries the answer; the text before the first table is at most 25 lines, 6 bullets of at most
+    30 words, no sentence over 40 words; the summary table has at most 7 columns."""
+    import re
+    lines = md.splitlines()
+    first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    assert first_table <= 25, first_table
+    assert lines[0].startswith("# FP16-AMP: ") and "than strict FP32" in lines[0] and "(CPU: fp16 emulated)" in lines[0]
+    bullets = [line for line in lines[:first_table] if line.startswith("- ")]
+    assert 4 <= len(bullets) <= 6 and all(len(b.split()) <= 31 for b in bullets), bullets
+    text = " ".join(lines[:first_table])
+    sentences = re.split(r"(?<=[.!?])\s+(?=[A-Z*`#-])", text)
+    assert max(len(x.split()) for x in sentences) <= 40, max(sentences, key=lambda x: len(x.split()))
+    assert "estimated" not in text and not re.search(r"\b0\.\d+x", text)  # a ratio below 1 reads "N x slower"
+    assert lines[first_table].count("|") - 1 <= 7 and lines[first_table].startswith("| variant |")
+
+
+def _headline_metrics(metrics: dict, summary: dict) -> None:
+    """metrics.json: about ten flat figures per variant, each the summary's own."""
+    assert set(metrics) == set(VARIANTS) and all(len(m) <= 11 for m in metrics.values())
+    amp = metrics["amp"]
+    assert amp["speedup"] == pytest.approx(summary["variants"]["amp"]["speedup"], rel=1e-3)
+    assert amp["speedup_lo"] <= amp["speedup"] <= amp["speedup_hi"]
+    assert ("steady" in amp) == (summary["variants"]["amp"]["steadiness"] is not None)  # too few steps: not said
+    assert amp["paired"] == pytest.approx(summary["variants"]["amp"]["paired"]["median"], rel=1e-3)
+    assert "paired" not in metrics["amp_accum"]  # not in the paired check: left out, not 0
+    assert all(not isinstance(v, dict | list) for m in metrics.values() for v in m.values())
+
+
+def _self_contained_page(page: str, figures: int) -> None:
+    """report.html loads nothing: no script, no stylesheet link, every figure a data URI."""
+    import re
+    assert "<script" not in page and "<link" not in page
+    sources = re.findall(r'<img[^>]*src="([^"]*)"', page)
+    assert len(sources) == figures >= 6 and all(src.startswith("data:image/png;base64,") for src in sources)
+    assert "<table>" in page and page.count("<h2>") >= 10
 
 
 def test_dvc_metrics_plots_and_lock(pipeline):
@@ -95,9 +137,29 @@ def test_dvc_metrics_plots_and_lock(pipeline):
     assert all(f'"variant": "{v}"' in plots.stdout for v in VARIANTS)
     shown = _dvc(repo, "metrics", "show", "--json")
     assert shown.returncode == 0 and "speedup" in shown.stdout and "final_acc" in shown.stdout
+    declared = json.loads(shown.stdout)  # the headline file alone: summary.json's profile and sweep are not metrics
+    (files,) = [rev["data"] for rev in declared.values()]
+    assert set(files) == {"reports/metrics.json"} and "profile" not in shown.stdout
     lock = yaml.safe_load((repo / "dvc.lock").read_text())
     assert {"env_check", "data", "paired", "report", *(f"train@{v}" for v in VARIANTS)} <= set(lock["stages"])
     assert _dvc(repo, "config", "core.analytics").stdout.strip() == "false"  # the sandbox sends DVC nothing
+
+
+def test_plots_open_offline(pipeline, tmp_path):
+    """`dvc plots show` fills the page of report/dvc_template.py: vega inline, nothing from a CDN, every plot."""
+    import re
+
+    repo, _ = pipeline
+    shown = _dvc(repo, "plots", "show", "-o", str(tmp_path))
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    page = (tmp_path / "index.html").read_text()
+    fetched = re.findall(r"""<(?:script|link)\b[^>]*\b(?:src|href)\s*=\s*["']?(?:https?:)?//[^"'\s>]*""", page, re.I)
+    assert not fetched, fetched  # DVC's own page loads vega, vega-lite and vega-embed from cdn.jsdelivr.net
+    assert "window.vegaEmbed=" in page and "window.vegaLite=" in page  # the bundle, inline
+    plots = [next(iter(p)) for p in yaml.safe_load((repo / "dvc.yaml").read_text())["plots"]]
+    plots += [f"reports_runs_{v}_history_csv" for v in VARIANTS]  # each train stage's own plot
+    for plot in plots:
+        assert f'<div id = "{plot}">' in page, plot
 
 
 def test_mlflow_has_a_run_per_stage(pipeline):
@@ -112,7 +174,8 @@ def test_mlflow_has_a_run_per_stage(pipeline):
     assert amp.data.params["amp.init_scale"] == "8192.0" and "final_acc" in amp.data.metrics
     assert len(client.get_metric_history(amp.info.run_id, "eval/acc")) == 1
     assert {a.path for a in client.list_artifacts(amp.info.run_id)} >= {"metrics.json", "history.csv"}
-    assert "report.md" in {a.path for a in client.list_artifacts(by_name["report"].info.run_id)}
+    assert {"report.md", "report.html", "metrics.json"} <= {a.path for a in client.list_artifacts(
+        by_name["report"].info.run_id)}
     for name in ("train@fp32", "train@amp"):  # each variant's trained model: a LoggedModel of its run
         (out,) = by_name[name].outputs.model_outputs
         assert client.get_logged_model(out.model_id).name == name.split("@")[1]

@@ -12,7 +12,7 @@ from ampbench import config, data, report, results, runplan
 from ampbench.report import summary as report_summary
 from ampbench.sandbox import merge
 from ampbench.train import profiling, runner, step
-from tests.conftest import SHRINK
+from tests.conftest import SHRINK, verdict_of
 
 
 @pytest.mark.parametrize(("name", "scopes", "category"), [
@@ -154,7 +154,7 @@ def test_report_explains_from_the_profile(tmp_path):
     assert (amp["time_to_target_s"], amp["time_to_target_epoch"]) == (pytest.approx(10.0), 2)
     assert s["variants"]["fp32"]["time_to_target_s"] == pytest.approx(30.0)
     md = (tmp_path / "r.md").read_text()
-    verdict = md.splitlines()[2]
+    verdict = verdict_of(md)
     assert "conv/matmul 4.00x faster (60 -> 15 ms)" in verdict and "normalization 1.00x faster" in verdict
     assert "at most 2.50x faster (an Amdahl bound" in verdict and "amp added 5 ms of casts" in verdict
     assert "## Why: the step profile" in md and "| conv/matmul | 60 ms (60%; fp16 100%)" in md

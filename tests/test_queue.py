@@ -80,6 +80,11 @@ def test_queued_experiments_log_to_the_repository_store_and_skip_unchanged_stage
     assert "EDITED small_cnn" not in first.stdout + first.stderr
     shown = _dvc(repo, "exp", "show", "--json")
     assert "scale1024" in shown.stdout
+    # the comparison a user reads: the changed param and the headline figures that moved, a few dozen columns
+    changed = _dvc(repo, "exp", "show", "--only-changed", "--csv")
+    header = changed.stdout.splitlines()[0].split(",")
+    assert changed.returncode == 0 and len(header) <= 50 and "amp.init_scale" in header, header
+    assert any(h.endswith("amp.imgs_per_s") for h in header) and not any("profile" in h for h in header), header
     with sqlite3.connect(repo / "mlflow.db") as db:
         runs = db.execute("SELECT r.name, t.value FROM runs r LEFT JOIN tags t ON t.run_uuid = r.run_uuid "
                           "AND t.key = 'dvc_exp_name'").fetchall()

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from ampbench import report, results
+from tests.conftest import verdict_of
 
 ENV = {"torch": "2.x", "cuda_runtime": None, "cudnn": None, "python": "3.11", "cpu_model": "Test CPU",
        "cpu_count": 2, "gpu": None}
@@ -57,14 +58,15 @@ def test_every_variant_is_set_against_strict_fp32_and_tf32(runs, tmp_path):
     assert s["variants"]["amp"]["vs_tf32"] == pytest.approx(2.0) and s["variants"]["fp32"]["vs_tf32"] == pytest.approx(
         2 / 3)
     md = (tmp_path / "r.md").read_text()
-    verdict = md.splitlines()[2]
-    assert "tf32 1.50x strict fp32; amp (fp16) 3.00x strict fp32, 2.00x TF32" in verdict
+    verdict = verdict_of(md)
+    assert "tf32 1.50x faster than strict fp32; amp (fp16) 3.00x faster than strict fp32, 2.00x faster than " \
+           "TF32" in verdict
     assert "on a CPU tf32 is fp32" in verdict
     assert "| amp | fp16 | 1 | 2,560 (2,327 to 2,844) | 3.00x (3.00 to 3.00) | 2.00x |" in md
     gpu_env = {**ENV, "gpu": {"name": "NVIDIA H200", "capability": "9.0", "tensor_cores": True,
                               "bf16_supported": True}}
     report.build(runs, gpu_env, tmp_path / "g.md", tmp_path / "g.json", tmp_path / "fig", ["fp32", "tf32", "amp"])
-    assert "on a CPU" not in (tmp_path / "g.md").read_text().splitlines()[2]
+    assert "on a CPU" not in verdict_of((tmp_path / "g.md").read_text())
 
 
 def test_missing_values_are_shown_as_missing(runs, tmp_path):
@@ -131,7 +133,7 @@ def test_the_roofline_sits_beside_the_measured_speedups(runs, tmp_path):
     md = (tmp_path / "r.md").read_text()
     assert "| fp16 | 8 ms **launch-bound** |" in md and "| 2,000, 8 ms |" in md and "(4 us each" in md
     assert "its step is launch-bound: 2,000 kernels launched one by one take 8 ms, longer than the 6.25 ms" \
-        in md.splitlines()[2]
+        in verdict_of(md)
 
 
 def _every_section_fixture(runs):
@@ -179,13 +181,14 @@ def test_every_section_is_rendered_from_run_folders(runs, tmp_path):
         lines = section(s, ENV, {n: read[n] for n in variants})
         assert lines and "\n".join(lines) in md, section.__name__
     headings = [line for line in md.splitlines() if line.startswith("#")]
-    assert headings == ["# ampbench report: what FP16 mixed precision bought here", "## Results (measured in this run)",
+    assert headings == ["# FP16-AMP: 3.00x faster than strict FP32 here, not yet a claim (CPU: fp16 emulated)",
+                        "## The verdict in full", "## Results (measured in this run)",
                         "## Steadiness and the paired check", "## What the datasheet allows: the roofline",
                         "## Why: the step profile", "## Ours beside the article's", "## Memory, meter by meter",
                         "## Batch-size sweep", "## Past one process: data-parallel training (DDP)",
                         "## GPU clock, temperature and energy", "## Numerical safety", "## Figures",
                         "## Environment", "## Reproduce"]
-    verdict = md.splitlines()[2]
+    verdict = verdict_of(md)
     assert "In the batch-size sweep, fp16 fits 2.00x the batch of fp32" in verdict
     assert "fp32_ddp ran 1.50x as fast as in one process, 75% scaling efficiency" in verdict
     assert "amp added 1 ms of casts per step" in verdict and md.count("amp added 1 ms of casts") == 1  # once

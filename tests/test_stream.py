@@ -15,6 +15,7 @@ from ampbench import config, data, env, runplan
 from ampbench.config import optim
 from ampbench.data import batches, stream
 from ampbench.errors import EnvironmentMismatch
+from tests.conftest import verdict_of
 
 MEAN, STD = [0.0] * 3, [1 / 255] * 3  # the identity normalisation: outputs are the raw pixels
 
@@ -156,7 +157,7 @@ def test_the_verdict_calls_a_streamed_variant_input_bound(tmp_path):
                    "data_placement": "stream", "data_workers": 2}
         results.write_run(tmp_path / "runs" / name, metrics, {}, [ms] * 5)
     report.build(tmp_path / "runs", env_, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "amp"])
-    verdict = (tmp_path / "r.md").read_text().splitlines()[2]
+    verdict = verdict_of((tmp_path / "r.md").read_text())
     assert "Input-bound: the CPU waited 38% of each amp step for data: a faster precision cannot speed that " \
            "part; raise data.workers (2 now)" in verdict
     assert "each fp32 step" not in verdict  # 5%: not input-bound

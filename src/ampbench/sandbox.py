@@ -68,15 +68,26 @@ def create(dest: Path, params: dict, source: Path = REPO_ROOT) -> Path:
     (dest / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     if not (dest / ".git").exists():
         _run(["git", "init", "-q"], dest)
-        (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/data/raw/\n/checkpoints/\n")
+        (dest / ".gitignore").write_text("/mlflow.db\n/mlartifacts/\n/data/raw/\n/checkpoints/\n/.dvc/plots.html\n")
     if not (dest / ".dvc").exists():
         _run([sys.executable, "-m", "dvc", "init", "-q"], dest)
-        # what `dvc config core.analytics false` writes into the new repository's empty config, without a second
-        # DVC process
-        (dest / ".dvc" / "config").write_text("[core]\n    analytics = false\n")
+        # what `dvc config core.analytics false` and `dvc config plots.html_template plots.html` write into the new
+        # repository's empty config, without more DVC processes
+        (dest / ".dvc" / "config").write_text("[core]\n    analytics = false\n"
+                                              "[plots]\n    html_template = plots.html\n")
     shutil.copytree(source / ".dvc" / "plots", dest / ".dvc" / "plots", dirs_exist_ok=True)  # plot templates
+    _plots_page(source / ".dvc" / "plots.html", dest / ".dvc" / "plots.html")
     commit(dest, "ampbench pipeline")  # so that `dvc exp run` works there
     return dest
+
+
+def _plots_page(src: Path, dst: Path) -> None:
+    """`dvc plots show`'s offline page (report/dvc_template.py): the one `make install` made, else made here."""
+    if src.is_file():
+        shutil.copy2(src, dst)
+    else:
+        from ampbench.report import dvc_template
+        dvc_template.write(dst)
 
 
 def commit(dest: Path, message: str) -> None:

@@ -59,8 +59,10 @@ def size(n: int | None) -> str:
     return f"{n} B"
 
 
-def faster(speedup: float) -> str:
-    """A category's or step's speedup in words: 2.00x faster, 1.25x slower."""
+def faster(speedup: float | None) -> str:
+    """A speedup in words: 2.00x faster, 1.25x slower (a ratio below 1 read as how many times slower); n/a."""
+    if speedup is None:
+        return "n/a"
     return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.3g}x slower"
 
 

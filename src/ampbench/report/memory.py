@@ -10,6 +10,8 @@ from ampbench.report.fmt import not_made
 def memory(summary: dict, env: dict, runs: dict) -> list[str]:
     """Every memory meter of every variant, and what each one counts."""
     lines = ["## Memory, meter by meter", "",
+             "Where each variant's memory went: the meter that measured it, its peaks, and the parts that make them.",
+             "",
              "| variant | meter | peak (training) | peak reserved | first step (autotuning) | evaluation peak "
              "| activations (one micro-batch) | parameters | gradients | optimizer state | data set on the device |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

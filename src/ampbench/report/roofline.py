@@ -20,6 +20,7 @@ ARTICLE = {
 def article(summary: dict, env: dict, runs: dict) -> list[str]:
     """Our ratios beside the article's 3.2x and -51%, and the article's own table."""
     lines = ["## Ours beside the article's", "",
+             "Our ratios beside the article's claim (3.2x faster, -51% memory), and the article's own table.", "",
              "| | speedup vs FP32 | peak memory vs FP32 |", "|---|---|---|",
              f"| the article (its GPU, quoted) | {ARTICLE['speedup']} | {ARTICLE['memory_change']} |"]
     for name, r in summary["variants"].items():

@@ -14,6 +14,8 @@ from ampbench.report.fmt import not_made
 def safety(summary: dict, env: dict, runs: dict) -> list[str]:
     """Skipped steps, non-finite losses, the accumulation check and the fp16 audit's layers at risk."""
     lines = ["## Numerical safety", "",
+             "Whether low precision lost anything: overflow-skipped steps, non-finite losses, the loss scale, and the "
+             "fp16 numerics audit.", "",
              "| variant | status | skipped (overflow) steps | inf/NaN-loss steps | final loss scale "
              "| accumulation vs full batch (max rel. diff, fp32) |", "|---|---|---|---|---|---|"]
     for name, r in summary["variants"].items():

@@ -70,6 +70,7 @@ def scaling(summary: dict, env: dict, runs: dict) -> list[str]:
     if not s:
         return []
     out = ["## Past one process: data-parallel training (DDP)", "",
+           "How each data-parallel variant scaled against the same precision in one process.", "",
            "| variant | processes | backend | gradients sent as | img/s, all processes | img/s per process "
            "| against one process | scaling efficiency | all-reduce per step (profile) "
            "| step time waiting on the all-reduce |",

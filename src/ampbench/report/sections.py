@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ampbench.measure import stats
-from ampbench.report import fmt
+from ampbench.report import fmt, glance
 from ampbench.report.fmt import not_made
 from ampbench.report.fmt import speedup as _speedup
 from ampbench.report.memory import memory
@@ -19,7 +19,7 @@ from ampbench.report.roofline import article, roofline
 from ampbench.report.safety import safety
 from ampbench.report.scale import scaling, sweep
 from ampbench.report.summary import profile_categories
-from ampbench.report.verdict import paragraph, why
+from ampbench.report.verdict import items, why
 
 
 # The article's own measurement (ResNet-18, CIFAR-10, batch 256, CUDA 12.1, "NVIDIA 5090 (24GB)"): quoted, not ours.
@@ -61,15 +61,23 @@ def _accuracy(r: dict) -> str:
 
 
 def header(summary: dict, env: dict, runs: dict) -> list[str]:
-    """The title, the verdict paragraph and the model it is about."""
-    lines = ["# ampbench report: what FP16 mixed precision bought here", "", paragraph(summary, env), ""]
-    return lines + ([f"{model_line(_first(runs))}.", ""] if runs else [])
+    """The first screen: the answer as a title, the model it is about, six bullets, what next, the summary
+    table (``glance``)."""
+    lines = glance.first_screen(summary, env)
+    return lines[:2] + ([f"{model_line(_first(runs))}.", ""] if runs else []) + lines[2:]
+
+
+def verdict(summary: dict, env: dict, runs: dict) -> list[str]:
+    """The verdict in full: each claim with its interval, its reasons and its caveats, one per bullet."""
+    return ["## The verdict in full", "", "What the first screen says, with the evidence behind each claim.", ""] \
+        + [f"- {item}" for item in items(summary, env)] + [""]
 
 
 def results(summary: dict, env: dict, runs: dict) -> list[str]:
     """The results table, what is missing, how to read it, the interval's method, and time to accuracy."""
     base = summary["baseline"]
     lines = ["## Results (measured in this run)", "",
+             "Every variant's figures, each ratio against strict fp32 with its 95% interval.", "",
              "| variant | precision | accumulation | img/s (p10 to p90 step) | speedup vs fp32 (95% CI) | vs tf32 "
              "| peak memory | memory vs fp32 | activations | activations vs fp32 | TFLOP/s | time per epoch "
              "| final accuracy | accuracy vs fp32 |",
@@ -178,7 +186,8 @@ def gpu_state(summary: dict, env: dict, runs: dict) -> list[str]:
             or r.get("gpu_power_w_median") is not None}
     if not rows:
         return []
-    lines = ["## GPU clock, temperature and energy", "",
+    lines = ["## GPU clock, temperature and energy", "", "What the GPU ran at while each variant trained, and the "
+             "energy each image cost.", "",
              "| variant | ran | median SM clock | vs the baseline's | median temperature | median power | energy per "
              "image | energy vs the baseline |", "|---|---|---|---|---|---|---|---|"]
     order = summary.get("run_order") or []
@@ -207,7 +216,9 @@ def figures(summary: dict, env: dict, runs: dict) -> list[str]:
     found, failed = summary.get("figures") or [], summary.get("figures_not_drawn") or {}
     lines = [f"Figure {name} could not be drawn: {why}." for name, why in failed.items()]
     lines = lines + [""] if lines else []
-    return ["## Figures", ""] + lines + [f"![{Path(f).stem}]({f})" for f in found] + [""] if found or lines else []
+    lead = ["The figures the sections above describe, as PNG files beside this report.", ""]
+    return ["## Figures", ""] + lead + lines + [f"![{Path(f).stem}]({f})" for f in found] + [""] \
+        if found or lines else []
 
 
 def environment(summary: dict, env: dict, runs: dict) -> list[str]:
@@ -299,7 +310,7 @@ def steadiness(summary: dict, env: dict, runs: dict) -> list[str]:
               f"{p['rounds']} rounds; each round's ratio is to `{p['baseline']}`'s window of the same round, so a "
               f"drift lands on every variant alike. A variant is called faster (slower) only when all of at least "
               f"{p['claim_rounds']} rounds say so by more than {p['margin']:.0%} (a two-sided sign test: "
-              f"{2 * 0.5 ** p['claim_rounds']:.0%} by chance).", "",
+              f"{stats.sign_test_p(p['claim_rounds'], p['claim_rounds']):.0%} by chance).", "",
               "| variant | precision | paired: median vs fp32 | rounds | claim | its stage vs fp32 |",
               "|---|---|---|---|---|---|"]
     for name, r in rows.items():
@@ -325,8 +336,8 @@ def steadiness(summary: dict, env: dict, runs: dict) -> list[str]:
     return lines + ([""] if p.get("not_made") else [])
 
 
-SECTIONS = (header, results, steadiness, roofline, profile, article, memory, sweep, scaling, gpu_state, safety, figures,
-            environment, reproduce)
+SECTIONS = (header, verdict, results, steadiness, roofline, profile, article, memory, sweep, scaling, gpu_state,
+            safety, figures, environment, reproduce)
 
 
 def render(summary: dict, env: dict, runs: dict[str, dict]) -> str:

@@ -290,3 +290,26 @@ def _scaling_row(name: str, m: dict, ref: str | None, metrics: dict[str, dict]) 
             "speedup_vs_single": ratio(ips, ref_ips), "efficiency": ratio(ips, world * ref_ips) if ref_ips else None,
             "exposed_comm_share": (profile.get("communication") or {}).get("exposed_share"),
             "comm_ms_per_step": comm_ms, "peak_mem_bytes": m.get("peak_mem_bytes"), "final_acc": m.get("final_acc")}
+
+
+def _rounded(value, digits: int = 4):
+    """A headline figure as DVC shows it: floats to ``digits`` significant figures, the rest as they are."""
+    return float(f"{value:.{digits}g}") if isinstance(value, float) and math.isfinite(value) else value
+
+
+def headline_metrics(summary: dict) -> dict:
+    """``metrics.json``, DVC's declared metric: per variant the figures a user compares across experiments, about
+    ten each, flat under the variant's name, so `dvc exp show` and `dvc metrics diff` stay readable (summary.json
+    holds every figure). A figure not measured is left out, not written as 0."""
+    out = {}
+    for name, r in summary["variants"].items():
+        lo, hi = r.get("speedup_ci95") or [None, None]
+        st = r.get("steadiness")
+        row = {"imgs_per_s": r.get("imgs_per_s"), "speedup": r.get("speedup"), "speedup_lo": lo, "speedup_hi": hi,
+               "vs_tf32": r.get("vs_tf32"), "paired": (r.get("paired") or {}).get("median"),
+               "peak_mem_ratio": r.get("mem_ratio"), "activation_ratio": r.get("activation_ratio"),
+               "final_acc": r.get("final_acc"),
+               "acc_diff_pts": None if r.get("acc_diff") is None else r["acc_diff"] * 100,
+               "steady": None if st is None else not st["unsteady"]}
+        out[name] = {k: _rounded(v) for k, v in row.items() if v is not None}
+    return out

@@ -50,15 +50,15 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
     if lo is not None and hi is not None:
         ci = f" (95% CI {fmt.ratio(lo)} to {fmt.ratio(hi)}{' over repeats' if repeats else ' within one run'})"
     if repeats and shaky:
-        return (f"ran at {fmt.times(sp)} strict FP32's throughput{ci}, but on a machine that was not steady: no "
+        return (f"ran {fmt.faster(sp)} than strict FP32{ci}, but on a machine that was not steady: no "
                 "claim from it"), None
     if repeats:
         if lo > 1.02:
             return f"trained {fmt.times(sp)} faster{ci} than strict FP32", "faster"
         if hi < 0.98:
-            return f"was slower than FP32: {fmt.times(sp)} its throughput{ci}", "slower"
+            return f"was {fmt.faster(sp)} than FP32{ci}", "slower"
         return f"was no faster than FP32 ({fmt.times(sp)}{ci})", None
-    stage = f"its stage ran at {fmt.times(sp)} strict FP32's throughput{ci}"
+    stage = f"its stage ran {fmt.faster(sp)} than strict FP32{ci}"
     p = r.get("paired")
     both = r.get("paired_compiled") or {}
     if p and both.get("fp32"):  # it compiles and FP32 does not: like with like is both compiled
@@ -72,7 +72,7 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
     why = "set train.repeats: 2 or more, or paired.enabled: true, for a claim"
     if (r.get("accum_steps") or 1) > 1 or (r.get("world_size") or 1) > 1:
         why = "set train.repeats: 2 or more for a claim (the paired check times one process without accumulation)"
-    return f"ran at {fmt.times(sp)} strict FP32's throughput{ci}: one run each, not enough to call it faster or " \
+    return f"ran {fmt.faster(sp)} than strict FP32{ci}: one run each, not enough to call it faster or " \
            f"slower; {why}", None
 
 
@@ -80,8 +80,8 @@ def _claim(c: dict, summary: dict, how: str = "") -> str:
     """What a paired comparison with strict FP32 says (``how``: how both ran, when it is not eager), its rounds."""
     rounds = f"{len(c['rounds'])} rounds in turns in one process, from {fmt.ratio(c['lo'])} to {fmt.ratio(c['hi'])}"
     said = {"faster": f"trained {fmt.times(c['median'])} faster than strict FP32{how} in the paired check ({rounds})",
-            "slower": f"was slower than FP32{how} in the paired check: {fmt.times(c['median'])} its throughput "
-                      f"({rounds})"}.get(c.get("claim"))
+            "slower": f"was {fmt.faster(c['median'])} than FP32{how} in the paired check ({rounds})"}
+    said = said.get(c.get("claim"))
     if said is None:
         need = summary["paired"].get("claim_rounds", 6)
         said = (f"was no faster than {'strict ' if how else ''}FP32{how} in the paired check "
@@ -133,41 +133,47 @@ def _accuracy(r: dict, base: dict) -> str:
 
 def verdict(summary: dict, env: dict) -> str:
     """The headline variant against the baseline: speed with its interval, memory, accuracy, and why."""
+    return " ".join(verdict_items(summary, env))
+
+
+def verdict_items(summary: dict, env: dict) -> list[str]:
+    """The verdict, a claim per item: speed with its interval, memory and accuracy; steadiness; why; the
+    roofline's launch bound; skipped steps; the clock; the step profile."""
     name, base_name = summary.get("headline"), summary["baseline"]
     if name is None or base_name is None:
-        return ("There is no FP32 baseline and FP16 variant pair among the finished runs, so there is no verdict; "
-                "the table below shows what was measured.")
+        return ["There is no FP32 baseline and FP16 variant pair among the finished runs, so there is no verdict; "
+                "the table below shows what was measured."]
     r, base = summary["variants"][name], summary["variants"][base_name]
     where = env["gpu"]["name"] if env.get("gpu") else f"this CPU ({env.get('cpu_model')})"
     label = precision.label(r.get("precision")) if r.get("precision") in precision.RUNGS \
         else str(r.get("precision")).upper()
     label += ", eager" if r.get("eager") else ""
     said, claim = speed(r, summary, name)
-    text = f"On {where}, {name} ({label}) {said}, {_memory(r)}{_accuracy(r, base)}."
+    items = [f"On {where}, {name} ({label}) {said}, {_memory(r)}{_accuracy(r, base)}."]
     shaky = unsteady(summary, name, base_name)
     if shaky:
-        text += (" The machine was not steady while these ran (" + "; ".join(shaky) + "), so no speedup is claimed "
-                 "from their stages: rerun on a quiet machine" + (", or trust the paired check" if r.get("paired")
-                                                                  else "") + ".")
+        items.append("The machine was not steady while these ran (" + "; ".join(shaky) + "), so no speedup is "
+                     "claimed from their stages: rerun on a quiet machine"
+                     + (", or trust the paired check" if r.get("paired") else "") + ".")
     if claim != "faster":
         reasons = _reasons(r, base, env)
         if reasons:
-            text += " Why: " + "; ".join(reasons) + "."
+            items.append("Why: " + "; ".join(reasons) + ".")
     cell = (((summary.get("roofline") or {}).get("gpu") or {}).get("table") or {}).get(r.get("precision"))
     if cell and cell.get("launch_bound"):
-        text += (f" On this GPU's roofline its step is launch-bound: {cell['kernels']:,} kernels launched one by one "
-                 f"take {fmt.ms(cell['launch_ms'])}, longer than the {fmt.ms(cell['kernels_ms'])} they run at the "
-                 "datasheet's peaks, so the precision moves it little; torch.compile, CUDA graphs or a larger batch "
-                 "would.")
+        items.append(f"On this GPU's roofline its step is launch-bound: {cell['kernels']:,} kernels launched one by "
+                     f"one take {fmt.ms(cell['launch_ms'])}, longer than the {fmt.ms(cell['kernels_ms'])} they run at "
+                     "the datasheet's peaks, so the precision moves it little; torch.compile, CUDA graphs or a larger "
+                     "batch would.")
     if r.get("skipped_steps"):
-        text += f" The loss scaler skipped {r['skipped_steps']} overflowing steps."
+        items.append(f"The loss scaler skipped {r['skipped_steps']} overflowing steps.")
     if r.get("clock_differs"):
-        text += (f" Its GPU ran at a median SM clock {fmt.change(r['sm_clock_ratio'])} against {base_name}'s, so "
-                 "part of the difference is the clock's (see the GPU clock section).")
+        items.append(f"Its GPU ran at a median SM clock {fmt.change(r['sm_clock_ratio'])} against {base_name}'s, so "
+                     "part of the difference is the clock's (see the GPU clock section).")
     cmp = (summary.get("profile_comparison") or {}).get(name)
     if cmp:
-        text += " " + why(name, base_name, cmp)
-    return text
+        items.append(why(name, base_name, cmp))
+    return items
 
 
 def why(name: str, base_name: str, cmp: dict) -> str:
@@ -235,7 +241,8 @@ def input_sentence(summary: dict, env: dict) -> str:
 
 
 def ladder_sentence(summary: dict, env: dict) -> str:
-    """Every variant against strict fp32 and against tf32: "fp16: 2.1x strict fp32, 1.3x TF32"."""
+    """Every variant against strict fp32 and against tf32: "fp16 2.10x faster than strict fp32, 1.30x faster than
+    TF32"."""
     tf32, base = summary.get("tf32_baseline"), summary.get("baseline")
     if not tf32 or not base:
         return ""
@@ -243,10 +250,10 @@ def ladder_sentence(summary: dict, env: dict) -> str:
     for name, r in summary["variants"].items():
         if name == base or r.get("speedup") is None:
             continue
-        against = f", {fmt.times(r['vs_tf32'])} TF32" if r.get("vs_tf32") is not None else ""
+        against = f", {fmt.faster(r['vs_tf32'])} than TF32" if r.get("vs_tf32") is not None else ""
         label = name if name == fmt.precision(r) else f"{name} ({fmt.precision(r)})"
-        paired = f" (paired check: {fmt.times(r['paired']['median'])})" if r.get("paired") else ""
-        parts.append(f"{label} {fmt.times(r['speedup'])} strict fp32{paired}{against}")
+        paired = f" (paired check: {fmt.faster(r['paired']['median'])})" if r.get("paired") else ""
+        parts.append(f"{label} {fmt.faster(r['speedup'])} than strict fp32{paired}{against}")
     if not parts:
         return ""
     closest = (summary.get("roofline") or {}).get("closest_default")
@@ -260,7 +267,12 @@ def ladder_sentence(summary: dict, env: dict) -> str:
 
 
 def paragraph(summary: dict, env: dict) -> str:
-    """The whole first paragraph."""
-    return (verdict(summary, env) + input_sentence(summary, env) + ladder_sentence(summary, env)
-            + sweep_sentence(summary.get("sweep"))
-            + scaling_sentence(summary.get("scaling")))
+    """The whole verdict as one paragraph."""
+    return " ".join(items(summary, env))
+
+
+def items(summary: dict, env: dict) -> list[str]:
+    """The whole verdict, one claim per item: the headline variant, the input, the ladder, the sweep, scaling."""
+    extra = (input_sentence(summary, env), ladder_sentence(summary, env), sweep_sentence(summary.get("sweep")),
+             scaling_sentence(summary.get("scaling")))
+    return verdict_items(summary, env) + [e.strip() for e in extra if e]

@@ -36,7 +36,7 @@ from ampbench.precision import BASELINE, set_tf32
 from ampbench.sweep.bench import Bench
 
 WARM = 2  # untimed steps at the start of each window: what the window before left behind, worked off
-CLAIM_ROUNDS = 6  # rounds that agree before a ratio is called faster or slower (sign test, two-sided p = 2 x 2^-6)
+CLAIM_ROUNDS = 6  # rounds that agree before a ratio is called faster or slower (stats.sign_test_p(6, 6): 3%)
 MARGIN = 0.02  # a round's ratio within 2% of 1 says neither
 CONTROLS = ("fp32", "bf16")  # compiled control windows, when a variant compiles and the baseline does not
 

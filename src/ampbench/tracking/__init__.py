@@ -277,15 +277,18 @@ def log_variant(cfg: MlflowConfig, repo_root: Path, run_dir: Path, plan: dict, e
 
 
 def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json: Path, fig_dir: Path,
-               env_info: dict, pipeline: str | None = None, built_ms: tuple[int, int] | None = None
-               ) -> tuple[str, bool]:
-    """The report stage's run: report.md, summary.json and the figures; ``built_ms``: when the report was built."""
+               env_info: dict, pipeline: str | None = None, built_ms: tuple[int, int] | None = None,
+               report_html: Path | None = None, metrics_json: Path | None = None) -> tuple[str, bool]:
+    """The report stage's run: report.md, report.html (the page MLflow's artifact view renders), metrics.json,
+    summary.json and the figures; ``built_ms``: when the report was built."""
     summary = json.loads(Path(summary_json).read_text())
     start, end = built_ms or (None, None)
+    pages = [p for p in (report_html, metrics_json) if p is not None and Path(p).is_file()]
     return log_run(cfg, repo_root, run_name="report", key=file_key(summary_json, report_md),
                    params={"variants": ",".join(summary["variants"]), "baseline": summary["baseline"]},
                    metrics={"variants": summary["variants"]}, start_ms=start, end_ms=end,
-                   tags=_tags("report", "report", {}, env_info, pipeline), artifacts=[report_md, summary_json, fig_dir])
+                   tags=_tags("report", "report", {}, env_info, pipeline),
+                   artifacts=[report_md, *pages, summary_json, fig_dir])
 
 
 def safely(what: str, fn, cfg: MlflowConfig, repo_root: Path, *args) -> str | None:
@@ -322,7 +325,7 @@ def sync(cfg: MlflowConfig, repo_root: Path, runs_dir: Path, plans_dir: Path, en
                          pipeline) is None
     if Path(summary_json).is_file():
         failed += safely("report", log_report, cfg, repo_root, report_md, summary_json, fig_dir, env_info,
-                         pipeline) is None
+                         pipeline, None, report_md.with_suffix(".html"), summary_json.with_name("metrics.json")) is None
         failed += safely("the ratios on the training runs", log_comparison, cfg, repo_root, summary_json,
                          runs_dir) is None
     return failed
