@@ -370,3 +370,10 @@ def test_the_clock_the_steadiness_guard_reads_is_the_timed_steps_alone():
     assert s["gpu_sm_clock_mhz_p10_p90"] == [1410, 1410] and s["gpu_sm_clock_mhz_median"] == 1410
     assert s["energy_per_image_j"] == pytest.approx(0.1) and sysmon.summary(mon.rows, 7000.0) == s
     assert "phase" in sysmon.COLUMNS
+
+
+def test_mean_ci_is_the_t_interval_of_the_mean():
+    """What `ampbench compare` gives a variant run several times: mean +- t(0.975, n - 1) sd / sqrt(n)."""
+    lo, hi = stats.mean_ci([1.0, 2.0, 3.0])
+    half = 4.302652729749462 / math.sqrt(3)  # sd 1, two degrees of freedom
+    assert lo == pytest.approx(2 - half, abs=1e-12) and hi == pytest.approx(2 + half, abs=1e-12)

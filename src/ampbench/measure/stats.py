@@ -119,6 +119,13 @@ def ratio_ci_from_repeats(num: list[float], den: list[float]) -> tuple[float, fl
     return ratio, ratio * math.exp(-t * se), ratio * math.exp(t * se)
 
 
+def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """The t-interval of the mean of ``values`` (``scipy.stats.t.interval``; two or more values)."""
+    mean, sd = mean_std(values)
+    lo, hi = _scipy_stats().t.interval(level, len(values) - 1, loc=mean, scale=sd / math.sqrt(len(values)))
+    return float(lo), float(hi)
+
+
 def sign_test_p(agree: int, rounds: int) -> float:
     """Two-sided sign test (``scipy.stats.binomtest``, p = 1/2): the chance that ``agree`` of ``rounds`` rounds
     or a split as lopsided says one side when neither is faster; all 6 of 6: 2 x 2^-6 = 3%."""

@@ -80,6 +80,11 @@ def precision(row: dict) -> str:
     return f"{row['precision']} (eager)" if row.get("eager") else str(row["precision"])
 
 
+def named(name: str, row: dict) -> str:
+    """A variant with its precision where its name does not say it: ``amp (fp16)``, ``fp32``."""
+    return name if name == precision(row) else f"{name} ({precision(row)})"
+
+
 def activations(r: dict) -> str:
     """A variant's activation bytes; "(eager)" after those of a compiled run, which the probe counts on the eager
     model (Inductor may save fewer, or other, tensors for the backward)."""

@@ -222,7 +222,7 @@ def table(summary: dict) -> list[str]:
         base = name == summary["baseline"]
         paired = (r.get("paired") or {}).get("median")
         acc = fmt.num(r.get("final_acc"), ".2%") + ("" if base else f" ({fmt.points(r.get('acc_diff'))})")
-        lines.append(f"| {name} ({fmt.precision(r)}) | {fmt.num(r.get('imgs_per_s'), ',.0f')} "
+        lines.append(f"| {fmt.named(name, r)} | {fmt.num(r.get('imgs_per_s'), ',.0f')} "
                      f"| {'baseline' if base else speed(r.get('speedup'))} | {'-' if base else speed(paired)} "
                      f"| {speed(r.get('vs_tf32')) if r.get('vs_tf32') is not None else '-'} "
                      f"| {'-' if base else fmt.change(r.get('mem_ratio'))} "

@@ -251,7 +251,7 @@ def ladder_sentence(summary: dict, env: dict) -> str:
         if name == base or r.get("speedup") is None:
             continue
         against = f", {fmt.faster(r['vs_tf32'])} than TF32" if r.get("vs_tf32") is not None else ""
-        label = name if name == fmt.precision(r) else f"{name} ({fmt.precision(r)})"
+        label = fmt.named(name, r)
         paired = f" (paired check: {fmt.faster(r['paired']['median'])})" if r.get("paired") else ""
         parts.append(f"{label} {fmt.faster(r['speedup'])} than strict fp32{paired}{against}")
     if not parts:

@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 
 from ampbench import results
 from ampbench.config import MlflowConfig, tracking_uri
-from ampbench.measure.stats import mean_std, t975
+from ampbench.measure.stats import mean_ci
 from ampbench.tracking import _experiment_id, _metric_value, complete_run, file_key
 
 # The report's ratios, logged onto each variant's training run. MLflow gives a client no say in the order of
@@ -125,10 +125,9 @@ def summarise(runs: list[dict]) -> dict:
     rate = statistics.fmean(r["imgs_per_s"] for r in runs)
     if not values:
         return {"speedup": None, "ci": None, "imgs_per_s": rate, "n": len(runs)}
-    mean, sd = mean_std(values)
+    mean = statistics.fmean(values)
     if len(values) > 1:
-        half = t975(len(values) - 1) * sd / math.sqrt(len(values))
-        ci = (mean - half, mean + half)
+        ci = mean_ci(values)
     else:
         r = runs[0]
         ci = (r["lo"], r["hi"]) if r["lo"] is not None and r["hi"] is not None else None
