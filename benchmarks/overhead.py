@@ -2,6 +2,7 @@
 
     python benchmarks/overhead.py                       # small CNN, fp32, CPU: the target is ampbench/fastest >= 1.0
     python benchmarks/overhead.py --device cuda --arch resnet18 --batch 256 --precision fp16
+    python benchmarks/overhead.py --host                # host work per step, part by part (benchmarks/host.py)
 
 All train the same model (same initial weights) on the same synthetic images with the same batch and
 precision. Two baselines:
@@ -95,7 +96,16 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=0, help="torch's CPU threads (0: its default); 1 is steadier on "
                                                           "a small shared machine, where two threads meet neighbours")
+    ap.add_argument("--host", action="store_true", help="host work per step: a model of a few microseconds, the "
+                    "engine against the recipe's step, part by part, fp32 and fp16 (benchmarks/host.py)")
     args = ap.parse_args()
+    if args.host:
+        import host
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        found = host.run(["fp32", "fp16"], args.rounds, batch=4, images=1600, device=args.device)
+        print("\n".join(host.report(found, 4, args.device)))
+        return
     if args.threads < 0:
         ap.error(f"--threads {args.threads}: give 1 or more threads, or 0 for torch's default")
     if args.threads:

@@ -118,6 +118,7 @@ def _headline_metrics(metrics: dict, summary: dict) -> None:
     assert ("steady" in amp) == (summary["variants"]["amp"]["steadiness"] is not None)  # too few steps: not said
     assert amp["paired"] == pytest.approx(summary["variants"]["amp"]["paired"]["median"], rel=1e-3)
     assert "paired" not in metrics["amp_accum"]  # not in the paired check: left out, not 0
+    assert set(metrics["fp32"]) <= {"imgs_per_s", "speedup", "vs_tf32", "final_acc", "steady"}  # no ratio to itself
     assert all(not isinstance(v, dict | list) for m in metrics.values() for v in m.values())
 
 

@@ -1,0 +1,175 @@
+"""Host work per step: the engine against the PyTorch AMP recipe's step, where the host's work is all a step is.
+
+    python benchmarks/overhead.py --host                # fp32 and fp16 (GradScaler), one process
+    python benchmarks/overhead.py --host --nproc 2      # the same under 2 gloo ranks (the stop vote, the loss sync)
+
+The model is one small Linear over the flattened image and the batch a handful of images, so a step's compute is a
+few microseconds and its time is what the host does: launching ops, Python, bookkeeping. Interleaved rounds of:
+
+- the plain loop: pre-normalised images already on the device, indexed by a random permutation, and the recipe's
+  step (zero_grad, autocast, forward, loss, scaler.scale(loss).backward(), scaler.step, scaler.update), nothing else;
+- the engine as `dvc repro` runs it: ``runner.train`` with its progress bar, step clock, system monitor, ledger,
+  the loss sync every 25 steps (checkpoints come between epochs, not steps), without augmentation (like for like);
+- the engine with each per-step part switched off in turn (a no-op in its place), which says what the part costs.
+
+Each figure is the median over the rounds of one epoch's wall time per step (the engine's second epoch: no warm-up
+in it). The last line: ``host work per step: engine X us, plain loop Y us, engine/plain Z``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampbench import config, data, models
+from ampbench.config import ModelConfig, ProfileConfig, TrainConfig
+from ampbench.measure import clock, sysmon
+from ampbench.precision import amp_settings, rung
+from ampbench.runplan import RunPlan
+from ampbench.train import engine, runner
+from ampbench.train.policy import dtype
+
+FACTORY = "host:tiny"  # this module, on sys.path as the script's folder
+
+
+def tiny(num_classes: int = 10) -> nn.Module:
+    """A model whose step is a few microseconds of compute: one Linear over the flattened 3x32x32 image."""
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, num_classes))
+
+
+def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int) -> float:
+    """The recipe's step over pre-normalised batches on the device; microseconds per step over one epoch."""
+    torch.manual_seed(seed)
+    x_u8, y_all = prepared["train"]
+    mean = torch.tensor(prepared["meta"]["mean"], device=device).view(1, 3, 1, 1)
+    std = torch.tensor(prepared["meta"]["std"], device=device).view(1, 3, 1, 1)
+    x_all = ((x_u8.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
+    model = models.build(ModelConfig(factory=FACTORY), num_classes=10, image_size=32, device=device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4, nesterov=True)
+    scaler = torch.amp.GradScaler(device, enabled=rung(precision).grad_scaler)
+    enabled = rung(precision).autocast is not None
+    steps = len(y_all) // batch
+
+    def epoch() -> float:
+        order = torch.randperm(len(y_all), device=device)
+        clock.synchronize(device)
+        t0 = time.perf_counter()
+        for idx in order[:steps * batch].split(batch):
+            x, y = x_all[idx], y_all[idx]
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device, dtype=dtype(precision), enabled=enabled):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        clock.synchronize(device)
+        return (time.perf_counter() - t0) / steps * 1e6
+
+    epoch()  # warm-up: the engine's first epoch is not counted either
+    return epoch()
+
+
+# Each part of the engine's per-step work, and how the benchmark switches it off (``mp``: a ``Patches``).
+def _no_clock(mp) -> None:
+    mp.setattr(clock.StepClock, "data", lambda self: contextlib.nullcontext())
+    mp.setattr(clock.StepClock, "compute", lambda self: contextlib.nullcontext())
+    mp.setattr(clock.StepClock, "step_done", lambda self, images: setattr(self, "process_steps",
+                                                                           self.process_steps + 1))
+    mp.setattr(clock.StepClock, "end", lambda self: (0, 0.0))
+
+
+def _no_ledger(mp) -> None:
+    from ampbench.train import ledger
+    mp.setattr(ledger.StepLedger, "mark", lambda self: None)
+    mp.setattr(ledger.StepLedger, "record", lambda self, mark, loss, n: False)
+    mp.setattr(engine.Trainer, "mean_loss", lambda self: 0.0)
+
+
+def _no_phase(mp) -> None:
+    mp.setattr(sysmon, "set_phase", lambda name: None)
+
+
+PARTS = {"step clock": _no_clock, "ledger and loss sync": _no_ledger, "monitor phase tag": _no_phase}
+
+
+class Patches:
+    """A small monkeypatch: set attributes, and put them back on exit."""
+
+    def __init__(self):
+        self.saved = []
+
+    def setattr(self, obj, name, value) -> None:
+        self.saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, name, value in reversed(self.saved):
+            setattr(obj, name, value)
+
+
+def engine_us(prepared: dict, batch: int, precision: str, device: str, seed: int, *, off: str = "",
+              progress: bool = True, monitor: bool = True) -> float:
+    """The engine's second epoch, microseconds per step; ``off``: a part of ``PARTS`` switched off."""
+    plan = RunPlan(variant="engine", precision=precision, accum_steps=1, device=device, seed=seed,
+                   model=ModelConfig(factory=FACTORY), profile=ProfileConfig(steps=0),
+                   train=TrainConfig(epochs=2, batch_size=batch, warmup_steps=5, augment=False, eval_batch_size=256),
+                   amp=amp_settings(precision, config.AmpConfig(audit_batches=0)))
+    with Patches() as mp, contextlib.redirect_stderr(io.StringIO()):  # the bar draws, where nobody reads it
+        if off:
+            PARTS[off](mp)
+        with sysmon.SystemMonitor(interval_s=0.5) if monitor else contextlib.nullcontext():
+            result = runner.train(plan, prepared, progress=progress, profile=False)
+    last = result.history[-1]
+    return last["epoch_time_s"] / (len(prepared["train"][1]) // batch) * 1e6
+
+
+def _engine_without(prepared: dict, batch: int, device: str, part: str, precision: str, seed: int) -> float:
+    return engine_us(prepared, batch, precision, device, seed, off=part)
+
+
+def run(precisions: list[str], rounds: int, batch: int, images: int, device: str) -> dict:
+    """Interleaved rounds; per precision the median microseconds per step of each figure."""
+    prepared = data.synthetic_in_memory(images, 256, seed=0, device=device)
+    figures = {"plain loop": lambda p, r: plain_us(prepared, batch, p, device, r),
+               "engine": lambda p, r: engine_us(prepared, batch, p, device, r),
+               "engine, no progress bar": lambda p, r: engine_us(prepared, batch, p, device, r, progress=False),
+               "engine, no system monitor": lambda p, r: engine_us(prepared, batch, p, device, r, monitor=False),
+               **{f"engine, no {part}": functools.partial(_engine_without, prepared, batch, device, part)
+                  for part in PARTS}}
+    out = {}
+    for p in precisions:
+        got: dict[str, list[float]] = {k: [] for k in figures}
+        for r in range(rounds):
+            names = list(figures)
+            for name in names[r % len(names):] + names[:r % len(names)]:  # a drift favours no figure
+                got[name].append(figures[name](p, r))
+        out[p] = {k: statistics.median(v) for k, v in got.items()}
+        out[p]["rounds"] = got
+    return out
+
+
+def report(found: dict, batch: int, device: str) -> list[str]:
+    lines = [f"host work per step (median of {len(next(iter(found.values()))['rounds']['engine'])} rounds, batch "
+             f"{batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, pid {os.getpid()})"]
+    for p, row in found.items():
+        eng, plain = row["engine"], row["plain loop"]
+        lines.append(f"{p}: plain loop {plain:.1f} us, engine {eng:.1f} us, engine/plain {eng / plain:.3f}")
+        for name, us in row.items():
+            if name.startswith("engine, no"):
+                lines.append(f"  {name:<32} {us:8.1f} us   (the part: {eng - us:+.1f} us per step)")
+    for p, row in found.items():
+        eng, plain = row["engine"], row["plain loop"]
+        lines.append(f"host work per step ({p}): engine {eng:.1f} us, plain loop {plain:.1f} us, "
+                     f"engine/plain {eng / plain:.3f}")
+    return lines
