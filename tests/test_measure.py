@@ -377,3 +377,23 @@ def test_mean_ci_is_the_t_interval_of_the_mean():
     lo, hi = stats.mean_ci([1.0, 2.0, 3.0])
     half = 4.302652729749462 / math.sqrt(3)  # sd 1, two degrees of freedom
     assert lo == pytest.approx(2 - half, abs=1e-12) and hi == pytest.approx(2 + half, abs=1e-12)
+
+
+def test_step_clock_records_three_events_a_step_on_cuda_and_syncs_once(monkeypatch):
+    """The step's data start is also the cycle's boundary, its data end the compute's start: three events a step
+    (six, one per boundary, would double the host's per-step launch work), one sync when the window is read."""
+    _FakeEvent.log = []
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: _FakeEvent.log.append("sync"))
+    c = clock.StepClock("cuda", warmup=0)
+    c.begin()
+    for _ in range(4):
+        with c.data():
+            pass
+        with c.compute():
+            pass
+        c.step_done(8)
+    images, _ = c.end()
+    assert _FakeEvent.log == ["record"] * (3 * 4 + 1) + ["sync"] and images == 32
+    # each event is one tick of the fake clock: data 1, compute 1 (from the data's end), cycle 3 (data to data)
+    assert c.data_ms == [1.0] * 4 and c.compute_ms == [1.0] * 4 and c.cycle_ms == [3.0] * 4

@@ -16,7 +16,7 @@ from ampbench.errors import ConfigError
 from ampbench.measure import memory
 from ampbench.report import figures, safety
 from ampbench.report import memory as report_memory
-from ampbench.train import ledger, runner, setup, step
+from ampbench.train import runner, schedule, setup, step
 from ampbench.train.policy import PrecisionPolicy
 from tests.conftest import overflow_at
 
@@ -119,6 +119,24 @@ def test_adafactor_trains_in_fp16_through_the_runner(tiny_params, tiny_data):
     assert result.history[-1]["train_loss"] < result.history[0]["train_loss"] + 0.5
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of")  # LambdaLR's optimizer never steps here
+def test_the_host_schedule_gives_lambdalrs_rates_and_resumes_from_its_checkpoint():
+    """The host schedule's table gives, step by step, the rates LambdaLR(lr_lambda) gives (the reference), past
+    the last step too; its state, or LambdaLR's, resumes it at the same rate."""
+    groups = [{"params": [nn.Parameter(torch.zeros(1))], "lr": 0.4}, {"params": [nn.Parameter(torch.zeros(1))]}]
+    ref_opt = torch.optim.SGD([dict(g) for g in groups], lr=0.1)
+    ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule.lr_lambda(60))
+    host = schedule.HostSchedule(torch.optim.SGD([dict(g) for g in groups], lr=0.1), 60)
+    for i in range(65):
+        assert host.get_last_lr() == pytest.approx(ref.get_last_lr(), rel=1e-12, abs=0), i
+        ref.step()
+        host.step()
+    for state in (host.state_dict(), ref.state_dict()):
+        again = schedule.HostSchedule(torch.optim.SGD([dict(g) for g in groups], lr=0.1), 60)
+        again.load_state_dict(state)
+        assert again.get_last_lr() == host.get_last_lr() and again.taken == 65
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of")  # the host schedule's optimizer never steps here
 def test_the_device_schedule_follows_the_steps_taken_as_the_host_schedule_does():
     """Fed each step's found-inf flag, the device schedule gives the LR LambdaLR gives when stepped on the steps
@@ -126,7 +144,7 @@ def test_the_device_schedule_follows_the_steps_taken_as_the_host_schedule_does()
     lin = nn.Linear(2, 2)
     dev_opt = torch.optim.SGD(lin.parameters(), lr=0.4, fused=True)
     host_opt = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.4)
-    dev, host = ledger.DeviceSchedule(dev_opt, 60), ledger.schedule(host_opt, 60)
+    dev, host = schedule.DeviceSchedule(dev_opt, 60), schedule.schedule(host_opt, 60)
     assert dev.get_last_lr() == pytest.approx(host.get_last_lr())
     for i in range(60):
         skipped = i in (1, 2, 40)
@@ -135,7 +153,7 @@ def test_the_device_schedule_follows_the_steps_taken_as_the_host_schedule_does()
             host.step()
         assert dev.get_last_lr() == pytest.approx(host.get_last_lr(), rel=1e-6, abs=1e-9), i
     state = dev.state_dict()
-    again = ledger.DeviceSchedule(torch.optim.SGD(lin.parameters(), lr=0.4, fused=True), 60)
+    again = schedule.DeviceSchedule(torch.optim.SGD(lin.parameters(), lr=0.4, fused=True), 60)
     again.load_state_dict(state)
     assert state == {"taken": 57} and again.get_last_lr() == pytest.approx(host.get_last_lr(), rel=1e-6)
 

@@ -9,7 +9,7 @@ from torch import nn
 from ampbench import config, data, models, runplan
 from ampbench.config import AmpConfig
 from ampbench.errors import ConfigError, NonFiniteTraining
-from ampbench.train import engine, ledger, runner, step
+from ampbench.train import engine, ledger, runner, schedule, step
 from ampbench.train.policy import PrecisionPolicy
 from tests.conftest import overflow_at
 
@@ -118,7 +118,7 @@ def test_overflowing_step_is_skipped_and_counted(tiny_params, tiny_data, monkeyp
 
 
 def test_lr_schedule_warms_up_then_decays():
-    f = ledger.lr_lambda(100)
+    f = schedule.lr_lambda(100)
     assert f(0) == pytest.approx(0.2) and f(4) == pytest.approx(1.0)
     assert f(50) < 1 and f(99) < 0.01
 

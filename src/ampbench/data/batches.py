@@ -128,16 +128,18 @@ class DeviceBatches(Batches):
         order = (torch.randperm(n, device=self.device, generator=g) if self.shuffle
                  else torch.arange(n, device=self.device))
         c, h, w = self.shape
-        for i, first in enumerate(range(0, self.used, self.batch_size)):
-            sel = order[first:first + self.batch_size]
-            part = self.part(len(sel))  # all of it in one process
+        # per epoch, not per step: the batches' indices, and their labels in one gather (each batch's a view)
+        order = order[:self.used]
+        labels = self.labels[order].split(self.batch_size)
+        for i, (sel, lab) in enumerate(zip(order.split(self.batch_size), labels, strict=True)):
+            part = self.part(len(sel)) if self.world > 1 else None  # None: all of it (one process)
             if self.augment:  # one gather of whole pixels: shuffle, crop and flip in one index
-                index = self._pixel_index(sel, g, part)  # drawn for a skipped batch too: the later ones follow
+                index = self._pixel_index(sel, g, part or slice(None))  # drawn for a skipped batch too
                 if i < start:
                     continue
                 x = self.pixels.index_select(0, index).view(-1, h, w, c)
             elif i < start:
                 continue
             else:  # whole images: no per-pixel index to build
-                x = self.images.index_select(0, sel[part])
-            yield self.normalise(x), self.labels[sel[part]]
+                x = self.images.index_select(0, sel if part is None else sel[part])
+            yield self.normalise(x), lab if part is None else lab[part]

@@ -21,7 +21,8 @@ class StepTimer:
         self._open: list = []
         self._pairs: list = []
 
-    def _mark(self):
+    def mark(self):
+        """A point in time on the device: a recorded CUDA event, or the host's monotonic clock on a CPU."""
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -29,19 +30,21 @@ class StepTimer:
         return time.perf_counter()
 
     def start(self) -> None:
-        self._open.append(self._mark())
+        self._open.append(self.mark())
 
     def stop(self) -> None:
-        self._pairs.append((self._open.pop(), self._mark()))
+        self._pairs.append((self._open.pop(), self.mark()))
+
+    def elapsed_ms(self, pairs: list[tuple]) -> list[float]:
+        """Milliseconds between each pair of marks (syncs the device once)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1000 for a, b in pairs]
 
     def read_ms(self) -> list[float]:
         """Elapsed milliseconds of each interval since the last read (syncs the device once)."""
-        if self.cuda:
-            torch.cuda.synchronize()
-            out = [a.elapsed_time(b) for a, b in self._pairs]
-        else:
-            out = [(b - a) * 1000 for a, b in self._pairs]
-        self._pairs = []
+        out, self._pairs = self.elapsed_ms(self._pairs), []
         return out
 
 
@@ -62,6 +65,22 @@ def wall_clock(device: torch.device | str):
     finally:
         synchronize(device)
         out["s"] = time.perf_counter() - t0
+
+
+class _Span:
+    """A context manager that calls ``enter`` and ``exit``: made once, entered every step (a generator-based one
+    would be built anew each time)."""
+
+    __slots__ = ("enter", "exit")
+
+    def __init__(self, enter, exit_):
+        self.enter, self.exit = enter, exit_
+
+    def __enter__(self) -> None:
+        self.enter()
+
+    def __exit__(self, *exc) -> None:
+        self.exit()
 
 
 class StepClock:
@@ -88,32 +107,46 @@ class StepClock:
         self.compute_ms: list[float] = []
         self.data_ms: list[float] = []
         self.images: list[int] = []  # per timed step
-        self._open = False
+        self._data_span = _Span(self._data_enter, self._data_exit)
+        self._compute_span = _Span(self._compute_enter, self._compute_exit)
+        self.begin()
 
     def begin(self) -> None:
-        self._timers = [StepTimer(self.device) for _ in range(3)]  # cycle, compute, data
+        self._timer = StepTimer(self.device)  # its marks: CUDA events on a GPU, the host clock on a CPU
+        self._spans: tuple[list, list, list] = ([], [], [])  # (start, end) marks of the cycles, computes, datas
         self._timed: list[bool] = []
         self._sizes: list[int] = []
-        self._open = False
+        self._cycle_start = self._data_start = self._data_end = self._compute_start = None
 
-    def _cycle_boundary(self) -> None:
-        if self._open:
-            self._timers[0].stop()
-        self._timers[0].start()
-        self._open = True
+    # Three marks a step (a CUDA event each on a GPU): the data's start, which is also where the last step's cycle
+    # ends and this one's begins; the data's end, which is also the compute's start when nothing ran between; the
+    # compute's end. The context managers are made once: nothing is built per step.
+    def _data_enter(self) -> None:
+        m = self._timer.mark()
+        if self._cycle_start is not None:
+            self._spans[0].append((self._cycle_start, m))
+        self._cycle_start = self._data_start = m
+        self._data_end = None
 
-    @contextmanager
-    def data(self):
-        self._cycle_boundary()  # a step's cycle starts with its data
-        self._timers[2].start()
-        yield
-        self._timers[2].stop()
+    def _data_exit(self) -> None:
+        self._data_end = self._timer.mark()
+        self._spans[2].append((self._data_start, self._data_end))
 
-    @contextmanager
-    def compute(self):
-        self._timers[1].start()
-        yield
-        self._timers[1].stop()
+    def _compute_enter(self) -> None:
+        # right after the data: the same point in time (on a GPU, the same place in the stream)
+        self._compute_start = self._data_end if self._data_end is not None else self._timer.mark()
+        self._data_end = None
+
+    def _compute_exit(self) -> None:
+        self._spans[1].append((self._compute_start, self._timer.mark()))
+
+    def data(self) -> _Span:
+        """``with clock.data(): ...``: the step's data (its cycle starts here)."""
+        return self._data_span
+
+    def compute(self) -> _Span:
+        """``with clock.compute(): ...``: the step's forward, backward and optimizer step."""
+        return self._compute_span
 
     def step_done(self, images: int) -> None:
         self._timed.append(self.process_steps >= self.warmup)
@@ -121,12 +154,16 @@ class StepClock:
         self.process_steps += 1
 
     def end(self) -> tuple[int, float]:
-        """Close the window (the timers are read after a device sync); keep its timed steps; return their images
+        """Close the window (the marks are read after one device sync); keep its timed steps; return their images
         and cycle milliseconds."""
-        if self._open:
-            self._timers[0].stop()
-            self._open = False
-        cycle, compute, data = (t.read_ms() for t in self._timers)
+        if self._cycle_start is not None:
+            self._spans[0].append((self._cycle_start, self._timer.mark()))
+            self._cycle_start = None
+        cycles, computes, datas = self._spans
+        ms = self._timer.elapsed_ms(cycles + computes + datas)
+        cycle, compute, data = ms[:len(cycles)], ms[len(cycles):len(cycles) + len(computes)], \
+            ms[len(cycles) + len(computes):]
+        self._spans = ([], [], [])
         keep = [i for i, timed in enumerate(self._timed) if timed]
         self.cycle_ms += [cycle[i] for i in keep]
         self.compute_ms += [compute[i] for i in keep]

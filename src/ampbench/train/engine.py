@@ -142,14 +142,17 @@ class Trainer:
 
     # --- one optimizer step ------------------------------------------------------------------
 
-    def optimizer_step(self, x: torch.Tensor, y: torch.Tensor) -> bool | None:
-        """Train on one batch; return True if the scaler skipped the step (an inf/NaN gradient), or None where
-        only the device knows yet (a fused optimizer under fp16: the ledger settles it at the next sync)."""
+    def optimizer_step(self, x: torch.Tensor, y: torch.Tensor, global_count: int | None = None) -> bool | None:
+        """Train on one batch (of ``global_count`` images over all ranks: the epoch's current batch's where not
+        given); return True if the scaler skipped the step (an inf/NaN gradient), or None where only the device
+        knows yet (a fused optimizer under fp16: the ledger settles it at the next sync)."""
+        if global_count is None:
+            global_count = self.train_batches.global_count(self.step_in_epoch)
         n = len(y)
         self.last_batch = (x, y)  # kept (not copied) for a diagnosis if this step goes non-finite
         # this rank's share of the global batch, times the world: DDP's mean over ranks is the batch's mean
         # (exactly 1 in one process, and wherever the slices are equal)
-        weight = n * self.world.size / self.train_batches.global_count(self.step_in_epoch)
+        weight = n * self.world.size / global_count
         mark = self.ledger.mark()
         loss = step.train_step(self.step_model, self.opt, self.scaler, self.policy, x, y, self.micro, weight,
                                self.plan.train.clip_grad_norm, self.ledger.norms)
@@ -182,14 +185,17 @@ class Trainer:
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
         self.clock.begin()
         self.peaks.open("train" if self.clock.process_steps >= 1 else "first step")
+        phase = None
         with clock.wall_clock(self.device) as wall, contextlib.closing(self.peaks):  # a failure closes it too
             while self.step_in_epoch < self.steps_per_epoch and not self.stop_now():
-                sysmon.set_phase(sysmon.TIMED if self.clock.process_steps >= self.clock.warmup else "warmup")
+                if phase != (now := sysmon.TIMED if self.clock.process_steps >= self.clock.warmup else "warmup"):
+                    sysmon.set_phase(phase := now)  # on change, not every step
+                count = self.train_batches.global_count(self.step_in_epoch)  # all ranks' images
                 with self.clock.data():
                     x, y = next(batches)
                 with self.clock.compute():
-                    self.optimizer_step(x, y)
-                self.clock.step_done(self.train_batches.global_count(self.step_in_epoch))  # all ranks' images
+                    self.optimizer_step(x, y, count)
+                self.clock.step_done(count)
                 if self.clock.process_steps == 1:  # the first step autotuned: the steady state starts here
                     self.peaks.close()
                     self.peaks.open("train")
@@ -201,7 +207,8 @@ class Trainer:
                 if self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch:
                     self.ledger.settle()  # gradient norms, a fused optimizer's skips: read where the loop syncs
                     mean_loss = self.mean_loss()  # a sync every 25 steps
-                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.ledger.sched.get_last_lr()[0]:.3g}")
+                    bar.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{self.ledger.sched.get_last_lr()[0]:.3g}",
+                                    refresh=False)  # drawn at the bar's own pace, not every 25 steps
                     # fp32/bf16 have no scaler to skip such steps; under fp16 the ledger stops a run at
                     # amp.max_consecutive_nonfinite, and this only when a whole epoch had no finite loss
                     if not math.isfinite(mean_loss) and (not self.policy.uses_scaler

@@ -2,13 +2,10 @@
 
 fp16 makes this bookkeeping: GradScaler skips a step whose gradients overflowed, so the loop must count the steps
 taken (``TakenSteps``), follow the loss scale they imply (``HostScale``), advance the learning-rate schedule only on
-a step taken (on the host, or on the device where only the device knows: ``DeviceSchedule``), count inf/NaN losses
+a step taken (``schedule.py``: on the host, or on the device where only the device knows), count inf/NaN losses
 in a row (stopping at amp.max_consecutive_nonfinite), and keep the epoch's loss sum. ``StepLedger`` owns all of it:
 the trainer marks a step before it (``mark``), records it after (``record``), and ``settle``s at the syncs its loop
-makes anyway, where the gradient norms and a fused optimizer's skips are read.
-
-The schedule is ``lr_lambda``'s linear warm-up over the first 5% of optimizer steps, then cosine decay to zero:
-written once, and followed on the device from a table of its values.
+makes anyway, where the gradient norms and a fused optimizer's skips are read, and the steps' losses summed.
 """
 
 from __future__ import annotations
@@ -22,81 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ampbench.train import distributed
-
-
-def lr_lambda(total_steps: int):
-    """Linear warm-up over the first 5% of optimizer steps, then cosine decay to zero."""
-    warm = max(1, round(0.05 * total_steps))
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
-
-
-def skips_on_device(opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> bool:
-    """Whether an enabled GradScaler steps ``opt`` with its skip decided on the device: a fused optimizer's
-    ``step()`` always runs and leaves the weights (and its step count) unchanged where a gradient was inf/NaN,
-    with no host sync, so the host learns of a skip only at its next sync."""
-    return scaler.is_enabled() and bool(opt.defaults.get("fused"))
-
-
-def schedule(opt: torch.optim.Optimizer, total_steps: int, scaler: torch.amp.GradScaler | None = None):
-    """The learning-rate schedule over ``total_steps`` optimizer steps, advanced only on steps taken: on the host
-    (``LambdaLR``, stepped when a step was taken), or on the device where only the device knows
-    (``DeviceSchedule``, stepped every step with the scaler's found-inf flag)."""
-    if scaler is not None and skips_on_device(opt, scaler):
-        return DeviceSchedule(opt, total_steps)
-    return torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps))
-
-
-class DeviceSchedule:
-    """``lr_lambda``'s schedule, followed on the device from the steps really taken.
-
-    A fused optimizer stepped by an enabled GradScaler skips an overflowing step on the device; a host schedule
-    would run one step ahead from there until the next sync. Here each param group's ``lr`` is a 0-d float32
-    tensor on the device (fused kernels read it there), and ``step(found_inf)`` adds ``1 - found_inf`` to the
-    count of steps taken and writes ``base_lr * lr_lambda(taken)`` into it, read from a table of ``lr_lambda``'s
-    values: a few scalar kernels, no sync. Exact whatever the sync points, so a resumed run follows the same
-    schedule as an uninterrupted one.
-    """
-
-    def __init__(self, opt: torch.optim.Optimizer, total_steps: int):
-        self.opt = opt
-        device = next(p.device for g in opt.param_groups for p in g["params"])
-        f = lr_lambda(total_steps)
-        self.factors = torch.tensor([f(s) for s in range(total_steps + 1)], dtype=torch.float64, device=device)
-        self.base_lrs = [float(g["lr"]) for g in opt.param_groups]
-        self.taken = torch.zeros((), dtype=torch.long, device=device)
-        for g, base in zip(opt.param_groups, self.base_lrs, strict=True):
-            g["lr"] = torch.tensor(base, dtype=torch.float32, device=device)
-        self._write()
-
-    def _write(self) -> None:
-        # index_select, not factors[taken]: indexing by a 0-d tensor reads it on the host (a sync on CUDA)
-        factor = self.factors.index_select(0, self.taken.clamp(max=len(self.factors) - 1).view(1)).view(())
-        for g, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
-            g["lr"].copy_(factor * base)
-
-    def step(self, found_inf: torch.Tensor) -> None:
-        self.taken += 1 - found_inf.to(self.taken.dtype)
-        self._write()
-
-    def get_last_lr(self) -> list[float]:
-        return [float(g["lr"]) for g in self.opt.param_groups]  # a sync: read where the loop syncs anyway
-
-    def state_dict(self) -> dict:
-        return {"taken": int(self.taken.item())}
-
-    def load_state_dict(self, state: dict) -> None:
-        """After the optimizer's own load (which brings back its groups' saved ``lr``): fresh device tensors."""
-        self.taken.fill_(state["taken"])
-        for g in self.opt.param_groups:
-            g["lr"] = torch.zeros((), dtype=torch.float32, device=self.taken.device)
-        self._write()
+from ampbench.train.schedule import schedule, skips_on_device
 
 
 class TakenSteps:
@@ -188,7 +111,28 @@ class StepLedger:
         self.new_epoch()
 
     def new_epoch(self) -> None:
-        self.loss_sum, self.seen = torch.zeros((), device=self.device), 0  # the epoch's, summed on the device
+        self._loss_sum, self.seen = torch.zeros((), device=self.device), 0  # the epoch's, summed on the device
+        self._losses: list[torch.Tensor] = []  # steps' mean losses (on the device) not yet in the sum
+        self._images: list[int] = []  # and their images
+
+    @property
+    def loss_sum(self) -> torch.Tensor:
+        """The epoch's loss summed over its images, on the device: the steps' losses are added in one go here (at
+        the loop's syncs), not one op per step."""
+        if self._losses:
+            losses = torch.stack(self._losses)
+            if self.deferred:  # an inf/NaN loss stays out of the sum; settle uncounts its images
+                losses = torch.where(torch.isfinite(losses), losses, 0.0)
+            if len(set(self._images)) == 1:  # every step of an epoch has the same images (the last is dropped)
+                self._loss_sum.add_(losses.sum(), alpha=self._images[0])
+            else:
+                self._loss_sum.add_((losses * losses.new_tensor(self._images)).sum())
+            self._losses, self._images = [], []
+        return self._loss_sum
+
+    @loss_sum.setter
+    def loss_sum(self, value: torch.Tensor) -> None:
+        self._loss_sum, self._losses, self._images = value, [], []
 
     def mark(self) -> int:
         """Before a step: the count of steps taken so far."""
@@ -202,7 +146,8 @@ class StepLedger:
         if self.deferred:
             found_inf = self.taken.found_inf
             self.sched.step(found_inf)  # on the device: the schedule advances only if the step was taken
-            self.loss_sum.add_(torch.where(torch.isfinite(loss), loss, 0.0), alpha=n)  # settle uncounts the rest
+            self._losses.append(loss.detach())  # summed at the next sync, an inf/NaN one as 0 (settle uncounts it)
+            self._images.append(n)
             self.seen += n
             self.pending.append((found_inf, loss.detach(), n))
             return None
@@ -216,7 +161,8 @@ class StepLedger:
         if not skipped:
             self.sched.step()  # a skipped step did not change the weights, so neither does the LR schedule
         if not nonfinite_loss:
-            self.loss_sum.add_(loss, alpha=n)
+            self._losses.append(loss)  # summed at the next sync (``loss_sum``): no op per step
+            self._images.append(n)
             self.seen += n
         self._account(self.step, skipped, nonfinite_loss)
         return skipped
@@ -280,8 +226,14 @@ class StepLedger:
         ranks (every rank calls it)."""
         self.settle()
         state = {k: getattr(self, k) for k in self.SCALARS}
-        loss_sum, seen = self.world.reduce([self.loss_sum.item(), self.seen])
-        return {**state, "seen": int(seen), "loss_sum": loss_sum, "sched": self.sched.state_dict()}
+        if self.world.size > 1:  # the ranks' losses are summed here; rank 0 alone resumes with them
+            self.loss_sum  # noqa: B018 (a property that sums the steps' losses not yet summed)
+        # in one process the steps not yet summed are kept as they are, so that a resumed run sums the same losses
+        # in the same groups as an uninterrupted one, to the last bit
+        unsummed = list(zip(torch.stack(self._losses).tolist(), self._images, strict=True)) if self._losses else []
+        loss_sum, seen = self.world.reduce([self._loss_sum.item(), self.seen])
+        return {**state, "seen": int(seen), "loss_sum": loss_sum, "unsummed_losses": unsummed,
+                "sched": self.sched.state_dict()}
 
     def load_state_dict(self, state: dict, step: int) -> None:
         """After the optimizer's and the scaler's own loads; ``step``: the optimizer steps the run had made."""
@@ -292,6 +244,9 @@ class StepLedger:
             self.host_scale = HostScale(self.scaler)  # the resumed scale and growth tracker
         self.sched.load_state_dict(state["sched"])
         self.loss_sum = torch.tensor(state["loss_sum"], device=self.device)
+        for loss, n in state.get("unsummed_losses", []):
+            self._losses.append(torch.tensor(loss, device=self.device))
+            self._images.append(n)
         if not self.world.main:  # the sums over the ranks resume on rank 0 alone
-            self.loss_sum.zero_()
+            self.loss_sum = torch.zeros((), device=self.device)
             self.seen = 0
