@@ -12,8 +12,9 @@ few microseconds and its time is what the host does: launching ops, Python, book
   the loss sync every 25 steps (checkpoints come between epochs, not steps), without augmentation (like for like);
 - the engine with each per-step part switched off in turn (a no-op in its place), which says what the part costs.
 
-Each round's figure is the fastest epoch's wall time per step after a first, warm-up epoch (on a shared machine
-noise only adds time); each reported figure the median over the rounds. One torch thread unless --threads says.
+On a CPU a step's time is the main thread's CPU time (``time.thread_time``; with one torch thread, compute
+included), which a neighbour on a shared machine does not stretch as it stretches wall time. Each round's figure is
+the fastest epoch after a first, warm-up one; each reported figure the median over the rounds.
 The last line: ``host work per step: engine X us, plain loop Y us, engine/plain Z``.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import os
 import statistics
 import time
 
@@ -38,6 +38,7 @@ from ampbench.runplan import RunPlan
 from ampbench.train import engine, runner, setup
 from ampbench.train.policy import dtype
 
+SAME = "plain loop, the engine's batches"
 FACTORY = "host:tiny"  # this module, on sys.path as the script's folder
 EPOCHS = 4  # the first warms up; a figure is the fastest of the others (noise on a shared machine only adds time)
 
@@ -56,9 +57,11 @@ def _plan(precision: str, device: str, seed: int, batch: int) -> RunPlan:
                    amp=amp_settings(precision, config.AmpConfig(audit_batches=0)))
 
 
-def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int) -> float:
-    """The recipe's step over pre-normalised batches on the device; microseconds per step of its fastest epoch
-    after the first."""
+def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int, engines_batches: bool = False
+             ) -> float:
+    """The recipe's step over pre-normalised batches on the device (``engines_batches``: over the engine's own
+    batches, uint8 on the device normalised per batch); microseconds per step of its fastest epoch after the
+    first."""
     torch.manual_seed(seed)
     x_u8, y_all = prepared["train"]
     mean = torch.tensor(prepared["meta"]["mean"], device=device).view(1, 3, 1, 1)
@@ -69,13 +72,18 @@ def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int)
     scaler = torch.amp.GradScaler(device, enabled=rung(precision).grad_scaler)
     enabled = rung(precision).autocast is not None
     steps = len(y_all) // batch
+    feed = engine.make_batches(_plan(precision, device, seed, batch), prepared)[0]
 
-    def epoch() -> float:
+    def batches(e: int):
+        if engines_batches:
+            return feed.epoch(e)
         order = torch.randperm(len(y_all), device=device)
+        return ((x_all[idx], y_all[idx]) for idx in order[:steps * batch].split(batch))
+
+    def epoch(e: int) -> float:
         clock.synchronize(device)
-        t0 = time.perf_counter()
-        for idx in order[:steps * batch].split(batch):
-            x, y = x_all[idx], y_all[idx]
+        t0 = time.thread_time()
+        for x, y in batches(e):
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device, dtype=dtype(precision), enabled=enabled):
                 loss = F.cross_entropy(model(x), y)
@@ -83,10 +91,10 @@ def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int)
             scaler.step(opt)
             scaler.update()
         clock.synchronize(device)
-        return (time.perf_counter() - t0) / steps * 1e6
+        return (time.thread_time() - t0) / steps * 1e6
 
-    epoch()  # warm-up: the engine's first epoch is not counted either
-    return min(epoch() for _ in range(EPOCHS - 1))
+    epoch(0)  # warm-up: the engine's first epoch is not counted either
+    return min(epoch(e) for e in range(1, EPOCHS))
 
 
 # Each part of the engine's per-step work, and how the benchmark switches it off (``mp``: a ``Patches``).
@@ -112,6 +120,18 @@ def _no_phase(mp) -> None:
 PARTS = {"step clock": _no_clock, "ledger and loss sync": _no_ledger, "monitor phase tag": _no_phase}
 
 
+@contextlib.contextmanager
+def _cpu_clock(device):
+    """``clock.wall_clock``'s form, in this thread's CPU time: the host's work, which a neighbour on a shared
+    machine cannot stretch as it stretches wall time (one torch thread: the CPU's compute is this thread's too)."""
+    out = {"s": 0.0}
+    t0 = time.thread_time()
+    try:
+        yield out
+    finally:
+        out["s"] = time.thread_time() - t0
+
+
 class Patches:
     """A small monkeypatch: set attributes, and put them back on exit."""
 
@@ -135,6 +155,7 @@ def engine_us(prepared: dict, batch: int, precision: str, device: str, seed: int
     """The engine's fastest epoch after the first, microseconds per step; ``off``: a part of ``PARTS`` off."""
     plan = _plan(precision, device, seed, batch)
     with Patches() as mp, contextlib.redirect_stderr(io.StringIO()):  # the bar draws, where nobody reads it
+        mp.setattr(clock, "wall_clock", _cpu_clock)  # the epoch's time: this thread's CPU seconds
         if off:
             PARTS[off](mp)
         with sysmon.SystemMonitor(interval_s=0.5) if monitor else contextlib.nullcontext():
@@ -150,6 +171,7 @@ def run(precisions: list[str], rounds: int, batch: int, images: int, device: str
     """Interleaved rounds; per precision the median microseconds per step of each figure."""
     prepared = data.synthetic_in_memory(images, 256, seed=0, device=device)
     figures = {"plain loop": lambda p, r: plain_us(prepared, batch, p, device, r),
+               SAME: lambda p, r: plain_us(prepared, batch, p, device, r, True),
                "engine": lambda p, r: engine_us(prepared, batch, p, device, r),
                "engine, no progress bar": lambda p, r: engine_us(prepared, batch, p, device, r, progress=False),
                "engine, no system monitor": lambda p, r: engine_us(prepared, batch, p, device, r, monitor=False),
@@ -167,17 +189,26 @@ def run(precisions: list[str], rounds: int, batch: int, images: int, device: str
     return out
 
 
+def _ratio(rounds: dict, a: str, b: str) -> float:
+    """The median over the rounds of ``a``'s time over ``b``'s in the same round: a drift between rounds cancels."""
+    return statistics.median(x / y for x, y in zip(rounds[a], rounds[b], strict=True))
+
+
 def report(found: dict, batch: int, device: str) -> list[str]:
     lines = [f"host work per step (median of {len(next(iter(found.values()))['rounds']['engine'])} rounds, batch "
-             f"{batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, pid {os.getpid()})"]
+             f"{batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s); ratios: the "
+             "median of each round's ratio)"]
     for p, row in found.items():
-        eng, plain = row["engine"], row["plain loop"]
-        lines.append(f"{p}: plain loop {plain:.1f} us, engine {eng:.1f} us, engine/plain {eng / plain:.3f}")
+        r = row["rounds"]
+        eng, plain, same = row["engine"], row["plain loop"], row[SAME]
+        lines.append(f"{p}: plain loop {plain:.1f} us, engine {eng:.1f} us, engine/plain "
+                     f"{_ratio(r, 'engine', 'plain loop'):.3f}")
+        lines.append(f"  the plain loop over the engine's batches  {same:8.1f} us   (against pre-normalised images: "
+                     f"{_ratio(r, SAME, 'plain loop'):.3f}; the engine against it: {_ratio(r, 'engine', SAME):.3f})")
         for name, us in row.items():
             if name.startswith("engine, no"):
-                lines.append(f"  {name:<32} {us:8.1f} us   (the part: {eng - us:+.1f} us per step)")
+                lines.append(f"  {name:<40} {us:8.1f} us   (engine over it: {_ratio(r, 'engine', name):.3f})")
     for p, row in found.items():
-        eng, plain = row["engine"], row["plain loop"]
-        lines.append(f"host work per step ({p}): engine {eng:.1f} us, plain loop {plain:.1f} us, "
-                     f"engine/plain {eng / plain:.3f}")
+        lines.append(f"host work per step ({p}): engine {row['engine']:.1f} us, plain loop {row['plain loop']:.1f} us, "
+                     f"engine/plain {_ratio(row['rounds'], 'engine', 'plain loop'):.3f}")
     return lines

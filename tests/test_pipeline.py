@@ -99,7 +99,7 @@ def _first_screen_answers(md: str) -> None:
     lines = md.splitlines()
     first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
     assert first_table <= 25, first_table
-    assert lines[0].startswith("# FP16-AMP: ") and "than strict FP32" in lines[0] and "(CPU: fp16 emulated)" in lines[0]
+    assert lines[0].startswith("# FP16-AMP: ") and "than strict FP32" in lines[0] and "CPU: fp16 emulated)" in lines[0]
     bullets = [line for line in lines[:first_table] if line.startswith("- ")]
     assert 4 <= len(bullets) <= 6 and all(len(b.split()) <= 31 for b in bullets), bullets
     text = " ".join(lines[:first_table])

@@ -126,6 +126,15 @@ def test_the_roofline_sits_beside_the_measured_speedups(runs, tmp_path):
     assert "| bf16 | n/a: no bf16 tensor cores |" in md and "closest to tf32" in md
     assert "gives fp16 1.92x strict fp32" in md and "The article's 3.2x is 1.67x that ratio" in md
     assert "not a bound on a measured ratio" in md and "bound's" not in md and "that bound" not in md
+    # the first screen on a GPU: the answer in the title, each bullet short, the headroom from the roofline
+    first = md.split("\n|", 1)[0].splitlines()
+    assert first[0] == "# FP16-AMP: 3.00x faster than strict FP32 here, -40% memory, -1.00 pts accuracy (not yet " \
+                       "a claim)"
+    bullets = [line for line in first if line.startswith("- ")]
+    assert len(bullets) == 5 and all(len(b.split()) <= 30 for b in bullets)  # no profile here: no "Why"
+    assert "- **Headroom**: the roofline allows fp16 8.00x strict FP32 on A100 80GB SXM; `amp` reached 6% of its " \
+           "roofline img/s." in bullets
+    assert "**Next**: set `paired.rounds: 6` (or `train.repeats: 3`)" in md  # one run each: no claim yet
     # a step whose launches outlast its kernels: launch-bound, in the table and the verdict
     table["fp16"].update(step_ms=8.0, kernels_ms=6.25, launch_ms=8.0, kernels=2000, launch_bound=True)
     report.build(runs, gpu_env, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "tf32", "amp"],
@@ -181,7 +190,7 @@ def test_every_section_is_rendered_from_run_folders(runs, tmp_path):
         lines = section(s, ENV, {n: read[n] for n in variants})
         assert lines and "\n".join(lines) in md, section.__name__
     headings = [line for line in md.splitlines() if line.startswith("#")]
-    assert headings == ["# FP16-AMP: 3.00x faster than strict FP32 here, not yet a claim (CPU: fp16 emulated)",
+    assert headings == ["# FP16-AMP: 3.00x faster than strict FP32 here (not yet a claim; CPU: fp16 emulated)",
                         "## The verdict in full", "## Results (measured in this run)",
                         "## Steadiness and the paired check", "## What the datasheet allows: the roofline",
                         "## Why: the step profile", "## Ours beside the article's", "## Memory, meter by meter",

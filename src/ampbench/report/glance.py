@@ -54,10 +54,11 @@ def speed(ratio: float | None) -> str:
 
 
 def _emulated(env: dict, r: dict) -> str:
+    """Where a CPU ran it: "CPU: fp16 emulated", "CPU"; "" on a GPU."""
     if env.get("gpu"):
         return ""
     rung = precision.RUNGS.get(r.get("precision"))
-    return f" (CPU: {r.get('precision')} emulated)" if rung and rung.emulated_on_cpu else " (CPU)"
+    return f"CPU: {r.get('precision')} emulated" if rung and rung.emulated_on_cpu else "CPU"
 
 
 def _accuracy_words(r: dict, base: dict) -> str | None:
@@ -81,15 +82,14 @@ def title(summary: dict, env: dict) -> str:
     words = speed(ratio)
     text = f"{label(r)}: {words} than strict FP32 here" if words not in ("n/a", "1.00x") \
         else f"{label(r)}: as fast as strict FP32 here" if words == "1.00x" else f"{label(r)}: speed not measured"
-    if said is None and words not in ("n/a", "1.00x"):
-        text += ", not yet a claim"
-    extra = []
     if env.get("gpu") and r.get("mem_ratio") is not None:
-        extra.append(f"{fmt.change(r['mem_ratio'])} memory")
+        text += f", {fmt.change(r['mem_ratio'])} memory"
     acc = _accuracy_words(r, b)
     if env.get("gpu") and acc:
-        extra.append(acc)
-    return "# " + text + "".join(f", {e}" for e in extra) + _emulated(env, r)
+        text += f", {acc}"
+    notes = ["not yet a claim"] if said is None and words not in ("n/a", "1.00x") else []
+    notes += [_emulated(env, r)] if _emulated(env, r) else []
+    return "# " + text + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def _fit(head: str, parts: list[str], tail: str = "") -> str:

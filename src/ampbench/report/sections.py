@@ -232,7 +232,7 @@ def environment(summary: dict, env: dict, runs: dict) -> list[str]:
         hw = f"no GPU: CPU {env.get('cpu_model')}, {env.get('cpu_count')} cores (fp16 is emulated on a CPU)"
     first = _first(runs)
     defaults = env.get("tf32_defaults")
-    lines = ["## Environment", "", f"- Hardware: {hw}",
+    lines = ["## Environment", "", "What ran, on what, from which code and settings.", "", f"- Hardware: {hw}",
              f"- Software: torch {env.get('torch')}, CUDA runtime {env.get('cuda_runtime')}, "
              f"cuDNN {env.get('cudnn')}, Python {env.get('python')}",
              f"- {_tf32_line(runs)}"
@@ -274,7 +274,8 @@ def _processes(runs: dict[str, dict]) -> str:
 
 
 def reproduce(summary: dict, env: dict, runs: dict) -> list[str]:
-    return ["## Reproduce", "", "```", "git checkout <the commit above>", "dvc repro          # or: make repro",
+    return ["## Reproduce", "", "The commands that make this report again.", "", "```",
+            "git checkout <the commit above>", "dvc repro          # or: make repro",
             "```", ""]
 
 
