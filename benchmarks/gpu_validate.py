@@ -5,8 +5,8 @@
 
 Needs a CUDA GPU, torch (2.11 or later) with its torchvision, and ampbench's light dependencies (pyyaml, tqdm,
 psutil, numpy); no DVC, no MLflow, no package registry. Runs ampbench's engine on ResNet-18 (CIFAR stem) with
-CIFAR-shaped synthetic data. Writes ``results.json`` and ``results.md``
-under --out as the checks finish, so a run cut short keeps what it measured; exits 1 if a check failed.
+CIFAR-shaped synthetic data. Writes ``results.json`` and ``results.md`` under --out as the checks finish, so a run
+cut short keeps what it measured; exits 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ CHECKS = {
     "launch_floor": "the host's time per kernel launched back to back from eager PyTorch (a one-element add_, "
                     "20,000 of them): the roofline's launch floor on this machine (ampbench roofline --launch-us), "
                     "against its default",
+    "host_work": "host work per step, the engine against the AMP recipe's plain loop on the launch-bound small CNN "
+                 "at batch 32 (fp32, fp16): the profiler's host us and syncs per step (benchmarks/host_profile.py)",
 }
 
 
@@ -279,20 +281,13 @@ def check_fp8_gemms(prepared: dict) -> dict:
 
 
 def check_launch_floor(prepared: dict) -> dict:
-    from ampbench.measure import roofline
-    x = torch.zeros(1, device="cuda")
-    for _ in range(200):  # warm: the caching allocator, the kernel's first load
-        x.add_(1.0)
-    torch.cuda.synchronize()
-    n = 20_000
-    t0 = time.perf_counter()
-    for _ in range(n):
-        x.add_(1.0)
-    torch.cuda.synchronize()
-    us = (time.perf_counter() - t0) / n * 1e6
-    return {"figure": {"us_per_kernel": round(us, 2), "default_us": roofline.LAUNCH_US},
-            "passed": us > 0.5 and float(x.item()) == n + 200,
-            "detail": f"ampbench roofline --launch-us {us:.1f} counts this machine's floor"}
+    import host_profile  # beside this script
+    return host_profile.launch_floor()
+
+
+def check_host_work(prepared: dict) -> dict:
+    import host_profile  # beside this script
+    return host_profile.check(prepared)
 
 
 def _write(out: Path, info: dict, results: dict) -> None:

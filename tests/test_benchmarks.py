@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from ampbench.sandbox import REPO_ROOT
@@ -40,7 +41,7 @@ def test_gpu_validate_lists_its_checks_on_a_cpu_and_refuses_to_run_there():
     assert listed.returncode == 0, listed.stderr[-2000:]
     names = [line.split(":")[0] for line in listed.stdout.splitlines()]
     assert names == ["host_syncs", "steady_peak", "gpu_busy", "largest_batch", "tf32_getters", "stream", "nccl_ddp",
-                     "fp8_gemms", "launch_floor"]
+                     "fp8_gemms", "launch_floor", "host_work"]
     run = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_validate.py")], capture_output=True,
                          text=True, timeout=300)
     assert run.returncode != 0 and "no CUDA GPU" in run.stderr and "Traceback" not in run.stderr
@@ -81,3 +82,60 @@ def test_input_pipeline_benchmark_runs_every_feed(tmp_path):
     assert list(rows) == ["device", "stream, memory", "stream, JPEG folder", "torchvision ImageFolder"]
     assert all(r[0]["imgs_per_s"] > 0 and 0 <= r[0]["data_share"] < 1 for r in rows.values())
     assert "| stream, JPEG folder |" in out.with_suffix(".md").read_text()
+
+
+def _events(host_us: list[float], syncs_per_step: int = 0, gap: float = 10.0, more_at: int = -1) -> list:
+    """Profiler events as torch.profiler's FunctionEvents give them: a ProfilerStep range per step (its CPU
+    duration the host's time), and cudaStreamSynchronize calls inside where asked (one more in step ``more_at``)."""
+    from types import SimpleNamespace as NS
+    out, t = [], 0.0
+    for i, us in enumerate(host_us):
+        out.append(NS(name="ProfilerStep*", time_range=NS(start=t, end=t + us)))
+        out += [NS(name="cudaStreamSynchronize", time_range=NS(start=t + 1 + k, end=t + 2 + k))
+                for k in range(syncs_per_step + (i == more_at))]
+        out.append(NS(name="cudaLaunchKernel", time_range=NS(start=t + 3, end=t + 4)))
+        t += us + gap
+    return out
+
+
+def test_the_gpu_host_check_fails_an_engine_that_adds_a_sync_or_100us_a_step():
+    """The launch-bound small CNN's step, about 1 ms of host work: the engine passes beside the plain loop at the
+    same host time and syncs (fp16: GradScaler's one, both), and fails with one more sync a step, or 100 us more."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import host_profile
+    finally:
+        sys.path.pop(0)
+    plain = _events([1000.0] * 30, syncs_per_step=1)
+    same = host_profile.judge(_events([1010.0] * 30, syncs_per_step=1), plain)
+    assert same["passed"] and same["figure"]["engine_over_plain"] == pytest.approx(1.01, abs=0.001)
+    assert same["figure"]["plain_syncs_per_step"] == 1.0
+    loss_read = host_profile.judge(_events([1010.0] * 30, syncs_per_step=1, more_at=20), plain)
+    assert loss_read["passed"]  # the engine's loss read every 25 steps: one more sync in 30 steps is allowed
+    synced = host_profile.judge(_events([1010.0] * 30, syncs_per_step=2), plain)
+    assert not synced["passed"] and synced["figure"]["engine_syncs_per_step"] == 2.0
+    slow = host_profile.judge(_events([1100.0] * 30, syncs_per_step=1), plain)
+    assert not slow["passed"] and slow["figure"]["engine_over_plain"] == pytest.approx(1.1, abs=0.001)
+    assert not host_profile.judge([], plain)["passed"]  # no step ranges: nothing measured, no pass
+    from types import SimpleNamespace as NS
+    step = NS(name="ProfilerStep*", time_range=NS(start=0.0, end=1000.0))
+    wait = NS(name="cudaStreamSynchronize", time_range=NS(start=200.0, end=700.0))
+    assert host_profile.host_per_step([step, wait]) == ([500.0], [1])  # a wait for the device is not host work
+
+
+def test_the_profilers_step_ranges_are_what_the_gpu_host_check_reads():
+    """On the CPU, torch.profiler's own events for a loop with prof.step(): one ProfilerStep range per active step,
+    each with a positive duration (the form the faked events above copy)."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import host_profile
+    finally:
+        sys.path.pop(0)
+    x = torch.ones(64, 64)
+    schedule = torch.profiler.schedule(wait=0, warmup=2, active=4, repeat=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], schedule=schedule) as prof:
+        for _ in range(6):
+            x = x @ x / 64
+            prof.step()
+    host, syncs = host_profile.host_per_step(list(prof.events()))
+    assert len(host) == 4 and all(us > 0 for us in host) and syncs == [0, 0, 0, 0]

@@ -137,9 +137,13 @@ def test_the_roofline_sits_beside_the_measured_speedups(runs, tmp_path):
     assert "**Next**: set `paired.rounds: 6` (or `train.repeats: 3`)" in md  # one run each: no claim yet
     # a step whose launches outlast its kernels: launch-bound, in the table and the verdict
     table["fp16"].update(step_ms=8.0, kernels_ms=6.25, launch_ms=8.0, kernels=2000, launch_bound=True)
+    amp = json.loads((runs / "amp" / "metrics.json").read_text())
+    (runs / "amp" / "metrics.json").write_text(json.dumps({**amp, "profile": {"host_ms_per_step": 9.5}}))
     report.build(runs, gpu_env, tmp_path / "r.md", tmp_path / "s.json", tmp_path / "fig", ["fp32", "tf32", "amp"],
                  roofline={**found, "launch_us": 4.0})
     md = (tmp_path / "r.md").read_text()
+    assert "`amp` is launch-bound here: launching its 2,000 kernels one by one takes at least 8 ms a step. Its step " \
+           "profile measured the host's work per step" in md and "at 9.5 ms, 1.19x that floor." in md
     assert "| fp16 | 8 ms **launch-bound** |" in md and "| 2,000, 8 ms |" in md and "(4 us each" in md
     assert "its step is launch-bound: 2,000 kernels launched one by one take 8 ms, longer than the 6.25 ms" \
         in verdict_of(md)

@@ -80,7 +80,23 @@ def roofline(summary: dict, env: dict, runs: dict) -> list[str]:
             f"{name}: {fmt.times(m['speedup'])} measured{' eager' if m.get('eager') else ''}, {m['of_roofline']:.0%} "
             "of the roofline's img/s")
     lines += ["", f"On {gpu['name']} ({gpu['source']}; {gpu['bandwidth_gbps']:,} GB/s):", ""]
-    return lines + roofline_table(gpu["table"], by_precision) + ["", roofline_note(found.get("launch_us")), ""]
+    return lines + roofline_table(gpu["table"], by_precision) + ["", roofline_note(found.get("launch_us")), ""] \
+        + _host_work(found, summary["variants"])
+
+
+def _host_work(found: dict, rows: dict) -> list[str]:
+    """For each variant whose precision the roofline calls launch-bound, the engine's own host work per step (its
+    step profile) beside the launch floor: how much of such a step is the engine's."""
+    lines = []
+    for name, m in found["measured"].items():
+        cell = found["gpu"]["table"].get(m["precision"]) or {}
+        host = (rows[name].get("profile") or {}).get("host_ms_per_step")
+        if cell.get("launch_bound") and host is not None:
+            lines.append(f"`{name}` is launch-bound here: launching its {cell['kernels']:,} kernels one by one takes "
+                         f"at least {fmt.ms(cell['launch_ms'])} a step. Its step profile measured the host's work per "
+                         f"step (the engine's Python, dispatch and launches; waits for the device excluded) at "
+                         f"{fmt.ms(host)}, {host / cell['launch_ms']:.2f}x that floor.")
+    return lines + [""] if lines else []
 
 
 def roofline_note(launch_us: float | None, inference: bool = False) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -123,6 +124,25 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+# the host waiting for the device: time inside a step that is not the host's own work
+SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def host_per_step(events) -> tuple[list[float], list[int]]:
+    """From torch.profiler's events, each profiled step's host work in microseconds (its ``ProfilerStep`` range on
+    the host, less the time it waited in host syncs) and the number of those syncs. On a launch-bound GPU step that
+    work is the step's time: each microsecond of it counts against every precision alike."""
+    steps = sorted((e for e in events if e.name.startswith("ProfilerStep")), key=lambda e: e.time_range.start)
+    syncs = [(e.time_range.start, e.time_range.end) for e in events if e.name in SYNCS]
+    host, count = [], []
+    for step in steps:
+        start, end = step.time_range.start, step.time_range.end
+        inside = [(a, b) for a, b in syncs if start <= a < end]
+        host.append(end - start - sum(min(b, end) - a for a, b in inside))
+        count.append(len(inside))
+    return host, count
+
+
 def summarize(events, steps: int, wall_ms: float, on_cuda: bool) -> dict:
     """Per category: milliseconds per step, share of the step's wall time, and the dtypes it ran in."""
     ms = defaultdict(float)
@@ -155,8 +175,10 @@ def summarize(events, steps: int, wall_ms: float, on_cuda: bool) -> dict:
            "attributed_ms_per_step": sum(ms.values()) / steps}
     if on_cuda:
         busy = busy_us(kernels)
+        host, _ = host_per_step(events)
         out.update(kernels_per_step=len(kernels) / steps, gpu_busy_ms_per_step=busy / 1000 / steps,
-                   gpu_busy_fraction=busy / 1000 / wall_ms if wall_ms else None)
+                   gpu_busy_fraction=busy / 1000 / wall_ms if wall_ms else None,
+                   host_ms_per_step=statistics.median(host) / 1000 if host else None)
     return out
 
 
