@@ -1,7 +1,7 @@
 """Host work per step: the engine against the PyTorch AMP recipe's step, where the host's work is all a step is.
 
-    python benchmarks/overhead.py --host                # fp32 and fp16 (GradScaler), one process
-    python benchmarks/overhead.py --host --nproc 2      # the same under 2 gloo ranks (the stop vote, the loss sync)
+    python benchmarks/overhead.py --host                                          # fp32 and fp16, one process
+    torchrun --standalone --nproc-per-node 2 benchmarks/overhead.py --host        # under 2 gloo ranks (DDP)
 
 The model is one small Linear over the flattened image and the batch a handful of images, so a step's compute is a
 few microseconds and its time is what the host does: launching ops, Python, bookkeeping. Interleaved rounds of:
@@ -35,7 +35,7 @@ from ampbench.config import ModelConfig, ProfileConfig, TrainConfig
 from ampbench.measure import clock, sysmon
 from ampbench.precision import amp_settings, rung
 from ampbench.runplan import RunPlan
-from ampbench.train import engine, runner, setup
+from ampbench.train import distributed, engine, runner, setup
 from ampbench.train.policy import dtype
 
 SAME = "plain loop, the engine's batches"
@@ -57,8 +57,8 @@ def _plan(precision: str, device: str, seed: int, batch: int) -> RunPlan:
                    amp=amp_settings(precision, config.AmpConfig(audit_batches=0)))
 
 
-def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int, engines_batches: bool = False
-             ) -> float:
+def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int, engines_batches: bool = False,
+             world: distributed.World = distributed.SINGLE) -> float:
     """The recipe's step over pre-normalised batches on the device (``engines_batches``: over the engine's own
     batches, uint8 on the device normalised per batch); microseconds per step of its fastest epoch after the
     first."""
@@ -69,21 +69,25 @@ def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int,
     x_all = ((x_u8.float() / 255 - mean) / std).contiguous(memory_format=torch.channels_last)
     model = models.build(ModelConfig(factory=FACTORY), num_classes=10, image_size=32, device=device)
     opt = setup.optimizer(_plan(precision, device, seed, batch), model.parameters())  # the engine's, like for like
+    model = distributed.wrap(model, world)  # DDP under several ranks: the gradients all-reduced in backward
     scaler = torch.amp.GradScaler(device, enabled=rung(precision).grad_scaler)
     enabled = rung(precision).autocast is not None
     steps = len(y_all) // batch
-    feed = engine.make_batches(_plan(precision, device, seed, batch), prepared)[0]
+    feed = engine.make_batches(_plan(precision, device, seed, batch), prepared, world)[0]
+    part = feed.part(batch)  # this rank's slice of each global batch (all of it in one process)
 
     def batches(e: int):
         if engines_batches:
             return feed.epoch(e)
-        order = torch.randperm(len(y_all), device=device)
-        return ((x_all[idx], y_all[idx]) for idx in order[:steps * batch].split(batch))
+        g = torch.Generator(device=device).manual_seed(seed * 100 + e)  # the same order on every rank
+        split = torch.randperm(len(y_all), device=device, generator=g)[:steps * batch].split(batch)
+        return ((x_all[idx], y_all[idx]) for idx in ([i[part] for i in split] if world.active else split))
 
     def epoch(e: int) -> float:
+        feed_e = batches(e)
         clock.synchronize(device)
         t0 = time.thread_time()
-        for x, y in batches(e):
+        for x, y in feed_e:
             opt.zero_grad(set_to_none=True)
             with torch.autocast(device, dtype=dtype(precision), enabled=enabled):
                 loss = F.cross_entropy(model(x), y)
@@ -117,7 +121,12 @@ def _no_phase(mp) -> None:
     mp.setattr(sysmon, "set_phase", lambda name: None)
 
 
+def _no_vote(mp) -> None:
+    mp.setattr(distributed.StopVote, "__call__", lambda self, wish: False)
+
+
 PARTS = {"step clock": _no_clock, "ledger and loss sync": _no_ledger, "monitor phase tag": _no_phase}
+DDP_PARTS = {"stop vote": _no_vote}  # under several ranks only
 
 
 @contextlib.contextmanager
@@ -151,32 +160,37 @@ class Patches:
 
 
 def engine_us(prepared: dict, batch: int, precision: str, device: str, seed: int, *, off: str = "",
-              progress: bool = True, monitor: bool = True) -> float:
+              progress: bool = True, monitor: bool = True, world: distributed.World = distributed.SINGLE) -> float:
     """The engine's fastest epoch after the first, microseconds per step; ``off``: a part of ``PARTS`` off."""
     plan = _plan(precision, device, seed, batch)
     with Patches() as mp, contextlib.redirect_stderr(io.StringIO()):  # the bar draws, where nobody reads it
         mp.setattr(clock, "wall_clock", _cpu_clock)  # the epoch's time: this thread's CPU seconds
         if off:
-            PARTS[off](mp)
+            {**PARTS, **DDP_PARTS}[off](mp)
         with sysmon.SystemMonitor(interval_s=0.5) if monitor else contextlib.nullcontext():
-            result = runner.train(plan, prepared, progress=progress, profile=False)
+            result = runner.train(plan, prepared, progress=progress, profile=False, world=world)
     return min(row["epoch_time_s"] for row in result.history[1:]) / (len(prepared["train"][1]) // batch) * 1e6
 
 
-def _engine_without(prepared: dict, batch: int, device: str, part: str, precision: str, seed: int) -> float:
-    return engine_us(prepared, batch, precision, device, seed, off=part)
+def _engine_without(prepared: dict, batch: int, device: str, world, part: str, precision: str, seed: int) -> float:
+    return engine_us(prepared, batch, precision, device, seed, off=part, world=world)
 
 
-def run(precisions: list[str], rounds: int, batch: int, images: int, device: str) -> dict:
-    """Interleaved rounds; per precision the median microseconds per step of each figure."""
+def run(precisions: list[str], rounds: int, batch: int, images: int, device: str,
+        world: distributed.World = distributed.SINGLE) -> dict:
+    """Interleaved rounds; per precision the median microseconds per step of each figure. Under several ranks
+    every rank runs the same figures in the same order (each is collective) and reports its own."""
     prepared = data.synthetic_in_memory(images, 256, seed=0, device=device)
-    figures = {"plain loop": lambda p, r: plain_us(prepared, batch, p, device, r),
-               SAME: lambda p, r: plain_us(prepared, batch, p, device, r, True),
-               "engine": lambda p, r: engine_us(prepared, batch, p, device, r),
-               "engine, no progress bar": lambda p, r: engine_us(prepared, batch, p, device, r, progress=False),
-               "engine, no system monitor": lambda p, r: engine_us(prepared, batch, p, device, r, monitor=False),
-               **{f"engine, no {part}": functools.partial(_engine_without, prepared, batch, device, part)
-                  for part in PARTS}}
+    parts = {**PARTS, **(DDP_PARTS if world.active else {})}
+    figures = {"plain loop": lambda p, r: plain_us(prepared, batch, p, device, r, world=world),
+               SAME: lambda p, r: plain_us(prepared, batch, p, device, r, True, world=world),
+               "engine": lambda p, r: engine_us(prepared, batch, p, device, r, world=world),
+               "engine, no progress bar": lambda p, r: engine_us(prepared, batch, p, device, r, progress=False,
+                                                                 world=world),
+               "engine, no system monitor": lambda p, r: engine_us(prepared, batch, p, device, r, monitor=False,
+                                                                   world=world),
+               **{f"engine, no {part}": functools.partial(_engine_without, prepared, batch, device, world, part)
+                  for part in parts}}
     out = {}
     for p in precisions:
         got: dict[str, list[float]] = {k: [] for k in figures}
@@ -194,10 +208,11 @@ def _ratio(rounds: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(rounds[a], rounds[b], strict=True))
 
 
-def report(found: dict, batch: int, device: str) -> list[str]:
-    lines = [f"host work per step (median of {len(next(iter(found.values()))['rounds']['engine'])} rounds, batch "
-             f"{batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s); ratios: the "
-             "median of each round's ratio)"]
+def report(found: dict, batch: int, device: str, world: distributed.World = distributed.SINGLE) -> list[str]:
+    ranks = f", rank 0 of {world.size} ({world.backend})" if world.active else ""
+    lines = [f"host work per step (median of {len(next(iter(found.values()))['rounds']['engine'])} rounds, global "
+             f"batch {batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} thread(s){ranks}; "
+             "ratios: the median of each round's ratio)"]
     for p, row in found.items():
         r = row["rounds"]
         eng, plain, same = row["engine"], row["plain loop"], row[SAME]

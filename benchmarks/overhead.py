@@ -101,9 +101,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.host:
         import host
+
+        from ampbench.train import distributed
         torch.set_num_threads(1)  # all of a step's work on the thread whose CPU time is measured
-        found = host.run(["fp32", "fp16"], args.rounds, batch=4, images=1600, device=args.device)
-        print("\n".join(host.report(found, 4, args.device)))
+        world = distributed.init("gloo", args.device)  # under torchrun: its ranks; else one process
+        batch = 4 * world.size  # a handful of images on each rank
+        found = host.run(["fp32", "fp16"], args.rounds, batch=batch, images=400 * batch, device=args.device,
+                         world=world)
+        if world.main:
+            print("\n".join(host.report(found, batch, args.device, world)))
+        distributed.shutdown()
         return
     if args.threads < 0:
         ap.error(f"--threads {args.threads}: give 1 or more threads, or 0 for torch's default")

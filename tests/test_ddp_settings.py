@@ -101,10 +101,10 @@ def _stop_worker(rank: int, port: int, folder: str) -> None:
     trainer = _trainer(world, folder, "fp32", train={"batch_size": 8})  # 16 steps: the loss syncs at the end
     take = trainer.optimizer_step
 
-    def stepping(x, y):
+    def stepping(x, y, *count):
         if rank == 1 and trainer.step_in_epoch == 2:  # a SIGTERM that reached rank 1 alone, during the third step
             trainer.stop_requested = True
-        return take(x, y)
+        return take(x, y, *count)
 
     trainer.optimizer_step = stepping
     row = trainer.run_epoch()

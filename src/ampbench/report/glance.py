@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ampbench import precision
 from ampbench.report import fmt
-from ampbench.report.verdict import unsteady
+from ampbench.report.verdict import repeats_claim, unsteady
 
 MAX_WORDS = 30  # a bullet's budget
 
@@ -29,7 +29,7 @@ def claim(r: dict, summary: dict) -> tuple[float | None, str, str | None]:
     name = next((n for n, row in summary["variants"].items() if row is r), "")
     shaky = unsteady(summary, name, summary["baseline"])
     if (r.get("speedup_ci_method") or "").startswith("t-interval") and lo is not None:
-        said = None if shaky else ("faster" if lo > 1.02 else "slower" if hi < 0.98 else None)
+        said = None if shaky else repeats_claim(lo, hi)
         return sp, f"{r.get('repeats', 2)} repeats, 95% CI {fmt.ratio(lo)} to {fmt.ratio(hi)}", said
     both = (r.get("paired_compiled") or {}).get("fp32")
     p = both or r.get("paired")

@@ -28,6 +28,12 @@ def _reasons(r: dict, base: dict, env: dict) -> list[str]:
 
 
 DISAGREE = 1.1  # a stage's ratio more than 10% outside the paired check's rounds disagrees with it
+MARGIN = 0.02  # a t-interval over repeats must clear 1 by this much to call a variant faster or slower
+
+
+def repeats_claim(lo: float, hi: float) -> str | None:
+    """What a 95% t-interval over repeats claims: faster, slower, or None (it holds 1, or nearly)."""
+    return "faster" if lo > 1 + MARGIN else "slower" if hi < 1 - MARGIN else None
 
 
 def unsteady(summary: dict, *names: str) -> list[str]:
@@ -53,10 +59,11 @@ def speed(r: dict, summary: dict, name: str) -> tuple[str, str | None]:
         return (f"ran {fmt.faster(sp)} than strict FP32{ci}, but on a machine that was not steady: no "
                 "claim from it"), None
     if repeats:
-        if lo > 1.02:
-            return f"trained {fmt.times(sp)} faster{ci} than strict FP32", "faster"
-        if hi < 0.98:
-            return f"was {fmt.faster(sp)} than FP32{ci}", "slower"
+        said = repeats_claim(lo, hi)
+        if said == "faster":
+            return f"trained {fmt.times(sp)} faster{ci} than strict FP32", said
+        if said == "slower":
+            return f"was {fmt.faster(sp)} than FP32{ci}", said
         return f"was no faster than FP32 ({fmt.times(sp)}{ci})", None
     stage = f"its stage ran {fmt.faster(sp)} than strict FP32{ci}"
     p = r.get("paired")
