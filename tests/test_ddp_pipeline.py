@@ -177,7 +177,7 @@ def test_sigterm_to_torchrun_stops_every_rank_after_the_same_step_and_resumes(dd
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signum, out[-2000:] + err[-2000:]
     assert "Traceback" not in err and "stopped by SIGTERM: the next `dvc repro` resumes" in err, err[-3000:]
-    assert "SIGTERM: stopping within the ranks' next two steps" in out
+    assert "SIGTERM: stopping within the ranks' next two votes" in out
     # each rank's stop line; the ranks share one stderr, so two lines can arrive interleaved on one
     stopped = re.findall(r"rank (\d+): \[fp32\] interrupted at (epoch \d+, step \d+)", out + err)
     assert sorted(rank for rank, _ in stopped) == [str(r) for r in range(WORLD)], out[-2000:] + err[-2000:]

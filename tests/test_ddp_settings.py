@@ -98,27 +98,38 @@ def test_a_signal_to_the_launcher_ends_it_with_one_line_and_128_plus_the_signal(
 def _stop_worker(rank: int, port: int, folder: str) -> None:
     from tests.test_distributed import _join, _trainer
     world = _join(rank, port)
-    trainer = _trainer(world, folder, "fp32", train={"batch_size": 8})  # 16 steps: the loss syncs at the end
-    take = trainer.optimizer_step
+    out = {}
+    for every in (1, 3):  # a vote after every step (before a loss sync has timed them), then every third step
+        trainer = _trainer(world, folder, "fp32", train={"batch_size": 8})  # 16 steps: the loss syncs at the end
+        trainer.vote_every = every
+        take = trainer.optimizer_step
 
-    def stepping(x, y, *count):
-        if rank == 1 and trainer.step_in_epoch == 2:  # a SIGTERM that reached rank 1 alone, during the third step
-            trainer.stop_requested = True
-        return take(x, y, *count)
+        def stepping(x, y, *count, trainer=trainer, take=take):
+            if rank == 1 and trainer.step_in_epoch == 2:  # a SIGTERM that reached rank 1 alone, in the third step
+                trainer.stop_requested = True
+            return take(x, y, *count)
 
-    trainer.optimizer_step = stepping
-    row = trainer.run_epoch()
-    out = {"row": row, "at": trainer.step_in_epoch, "of": trainer.steps_per_epoch, "stop": trainer.stop_now(),
-           "weights": [float(p.detach().double().sum()) for p in trainer.model.parameters()]}
+        trainer.optimizer_step = stepping
+        row = trainer.run_epoch()
+        trainer.stop_vote.close()  # the last vote in flight, before the next trainer votes on the same group
+        out[every] = {"row": row, "at": trainer.step_in_epoch, "of": trainer.steps_per_epoch,
+                      "stop": trainer.stop_now(),
+                      "weights": [float(p.detach().double().sum()) for p in trainer.model.parameters()]}
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
     distributed.shutdown()
 
 
 def test_a_stop_seen_by_one_rank_stops_every_rank_two_steps_later_not_at_the_next_loss_sync(tmp_path):
     """The ranks' stop vote: a wish sent after step 3 is read by every rank after step 4, so all stop there
-    (before, at the next loss sync: up to 25 steps, longer than a scheduler's grace on a slow model)."""
+    (before, at the next loss sync: up to 25 steps, longer than a scheduler's grace on a slow model); voting every
+    third step, the wish sent after step 3 is read after step 6."""
     from tests.test_distributed import _ranks
-    ranks = _ranks(tmp_path, _stop_worker)
+    found = _ranks(tmp_path, _stop_worker)
+    ranks = [r["1"] for r in found]  # voting after every step
     assert ranks[0]["of"] == 16
     assert [r["at"] for r in ranks] == [4, 4] and all(r["stop"] and r["row"] is None for r in ranks)
     assert ranks[0]["weights"] == ranks[1]["weights"]  # the same steps taken
+    # short steps vote every few (StopVote.every): sent after step 3, read at the next vote, after step 6
+    spaced = [r["3"] for r in found]
+    assert [r["at"] for r in spaced] == [6, 6] and all(r["stop"] for r in spaced)
+    assert spaced[0]["weights"] == spaced[1]["weights"]

@@ -198,3 +198,12 @@ def _trainer(world: distributed.World, folder: str, variant: str, train=(), dist
                             "distributed": {"nproc_per_node": WORLD, **dict(dist_params)}})
     return Trainer(runplan.make_plan(cfg, variant, "cpu"), data.load_prepared(Path(folder) / "prepared", "cpu"),
                    progress=False, world=world)
+
+
+def test_short_steps_vote_on_stopping_every_few_steps_long_ones_every_step():
+    """A vote costs the host about 0.1 ms (gloo's round trip): about every 50 ms of training for short steps, never
+    more than 12 steps apart (a stop within 24, before the loss sync at 25), every step for steps of 50 ms or
+    more; every step until the first loss sync has timed them."""
+    from ampbench.train.distributed import StopVote
+    assert StopVote.every(0.001) == 12 and StopVote.every(0.01) == 5 and StopVote.every(0.02) == 2
+    assert StopVote.every(0.05) == 1 and StopVote.every(2.0) == 1 and StopVote.every(0.0) == 1

@@ -131,6 +131,8 @@ class Trainer:
         self.stop_signal = 0  # which
         self.stop_agreed = False     # under DDP: Ctrl-C or SIGTERM seen by some rank, agreed by all
         self.stop_vote = distributed.StopVote(self.world)
+        self.vote_every = 1  # steps between stop votes: every step until a loss sync has timed them
+        self._synced_at = (time.perf_counter(), 0)  # when the last loss sync was, and at which global step
         self.t_start = time.perf_counter()
 
     def analysis(self, name: str, fn, *args):
@@ -202,7 +204,7 @@ class Trainer:
                 self.global_step += 1
                 self.step_in_epoch += 1
                 bar.update(1)
-                if self.world.active:  # every rank reads the same vote after the same step
+                if self.world.active and self.global_step % self.vote_every == 0:  # the same steps on every rank
                     self.stop_agreed = self.stop_agreed or self.stop_vote(self.stop_requested)
                 if self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch:
                     self.ledger.settle()  # gradient norms, a fused optimizer's skips: read where the loop syncs
@@ -247,18 +249,25 @@ class Trainer:
 
     def stop_now(self) -> bool:
         """Stop after this step (Ctrl-C, SIGTERM): at once in one process; under DDP once the ranks agree on it (within
-        two steps: ``distributed.StopVote``)."""
+        two votes, about 0.1 s of training: ``distributed.StopVote``)."""
         return self.stop_agreed if self.world.active else self.stop_requested
 
     def mean_loss(self) -> float:
         """This epoch's mean training loss so far, over all ranks (one sync, every 25 steps); NaN when every step's
         loss so far was inf/NaN (left out of the sum), so the loop's inf/NaN stop fires.
 
-        Under DDP the same all-reduce also carries whether any rank has seen a stop signal (with the per-step vote).
+        Under DDP the same all-reduce also carries whether any rank has seen a stop signal (beside the stop votes),
+        and the ranks' step time since the last sync, which sizes the steps between votes (``StopVote.every``).
         """
-        total, seen, stop = self.world.reduce([self.ledger.loss_sum.item(), self.ledger.seen,
-                                               float(self.stop_requested)])
+        then, at = self._synced_at
+        now = time.perf_counter()
+        step_s = (now - then) / (self.global_step - at) if self.global_step > at else 0.0
+        total, seen, stop, step_sum = self.world.reduce([self.ledger.loss_sum.item(), self.ledger.seen,
+                                                         float(self.stop_requested), step_s])
         self.stop_agreed = self.stop_agreed or stop > 0
+        self._synced_at = (now, self.global_step)
+        if step_sum > 0:  # the ranks' mean step time since the last sync: the same figure on every rank
+            self.vote_every = distributed.StopVote.every(step_sum / self.world.size)
         return total / seen if seen else math.nan  # no image counted (every loss inf/NaN): not a loss of 0
 
     # --- checkpoints ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ def stop_on_signal(trainer: Trainer):
 
     SIGTERM is how Slurm at a time limit, ``docker stop``, Kubernetes and systemd stop a job, with a grace period
     before SIGKILL: it stops as Ctrl-C does. Under torchrun, which passes the signal on to every rank (and kills
-    them after its grace), the ranks stop after the same step, within two steps of the signal (``StopVote``).
+    them after its grace), the ranks stop after the same step, within two votes of the signal (``StopVote``).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -58,7 +58,7 @@ def stop_on_signal(trainer: Trainer):
         trainer.stop_requested = True
         trainer.stop_signal = signum
         if trainer.world.main:
-            when = "within the ranks' next two steps" if trainer.world.active else "after this step"
+            when = "within the ranks' next two votes" if trainer.world.active else "after this step"
             name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
             tqdm.write(f"{name}: stopping {when} and saving a checkpoint (again to abort)")
 
