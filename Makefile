@@ -23,11 +23,13 @@ endif
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
-# `dvc plots show`'s page with vega, vega-lite and vega-embed inline, so plots draw offline: what .dvc/config's
-# plots.html_template names, made from the pinned vl-convert-python, not committed
+# `dvc plots show`'s page with vega, vega-lite and vega-embed inline, so plots draw offline: made from the pinned
+# vl-convert-python, not committed, and named in this checkout's own DVC config (.dvc/config.local), so a checkout
+# without it keeps DVC's default page
 PLOTS_PAGE := .dvc/plots.html
 $(PLOTS_PAGE): $(VENV)/.installed
 	$(PY) -m ampbench.report.dvc_template $@
+	$(VENV)/bin/dvc config --local plots.html_template plots.html
 
 install: $(VENV)/.installed $(PLOTS_PAGE)
 

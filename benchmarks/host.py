@@ -57,6 +57,22 @@ def _plan(precision: str, device: str, seed: int, batch: int) -> RunPlan:
                    amp=amp_settings(precision, config.AmpConfig(audit_batches=0)))
 
 
+def recipe_autocast(device: str, precision: str) -> dict:
+    """``torch.autocast``'s arguments for ``precision`` on ``device`` (disabled where the rung has no autocast)."""
+    return {"device_type": device, "dtype": dtype(precision), "enabled": rung(precision).autocast is not None}
+
+
+def recipe_step(model, opt, scaler, autocast: dict, x: torch.Tensor, y: torch.Tensor) -> None:
+    """PyTorch's AMP recipe's step, and nothing else: zero_grad, autocast forward and loss, scaled backward, the
+    scaler's step and update."""
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast(**autocast):
+        loss = F.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
 def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int, engines_batches: bool = False,
              world: distributed.World = distributed.SINGLE) -> float:
     """The recipe's step over pre-normalised batches on the device (``engines_batches``: over the engine's own
@@ -71,7 +87,7 @@ def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int,
     opt = setup.optimizer(_plan(precision, device, seed, batch), model.parameters())  # the engine's, like for like
     model = distributed.wrap(model, world)  # DDP under several ranks: the gradients all-reduced in backward
     scaler = torch.amp.GradScaler(device, enabled=rung(precision).grad_scaler)
-    enabled = rung(precision).autocast is not None
+    autocast = recipe_autocast(device, precision)
     steps = len(y_all) // batch
     feed = engine.make_batches(_plan(precision, device, seed, batch), prepared, world)[0]
     part = feed.part(batch)  # this rank's slice of each global batch (all of it in one process)
@@ -88,12 +104,7 @@ def plain_us(prepared: dict, batch: int, precision: str, device: str, seed: int,
         clock.synchronize(device)
         t0 = time.thread_time()
         for x, y in feed_e:
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(device, dtype=dtype(precision), enabled=enabled):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            recipe_step(model, opt, scaler, autocast, x, y)
         clock.synchronize(device)
         return (time.thread_time() - t0) / steps * 1e6
 

@@ -22,14 +22,13 @@ import dataclasses
 import statistics
 import time
 
+import host  # beside this module
 import torch
-import torch.nn.functional as F
 
 from ampbench import config, models, runplan
 from ampbench.measure import clock
-from ampbench.precision import rung
+from ampbench.precision import rung, set_tf32
 from ampbench.train import runner, setup
-from ampbench.train.policy import dtype
 from ampbench.train.profiling import host_per_step
 
 LIMIT = 1.05  # the engine's host time per step over the plain loop's
@@ -93,19 +92,15 @@ def plain_events(prepared: dict, precision: str, batch: int, steps: int, device:
     model = models.build(plan.model, num_classes=10, image_size=32, device=device)
     opt = setup.optimizer(plan, model.parameters())  # the engine's, like for like
     scaler = torch.amp.GradScaler(device, enabled=rung(precision).grad_scaler)
-    autocast = dict(device_type=device, dtype=dtype(precision), enabled=rung(precision).autocast is not None)
+    autocast = host.recipe_autocast(device, precision)
+    set_tf32(plan.train.allow_tf32)  # the process's TF32 and autotuning as the engine's setup sets them
+    torch.backends.cudnn.benchmark = device == "cuda"
     order = torch.randperm(len(y_all), device=device)[:(5 + steps) * batch].split(batch)
     marks = []
     with torch.profiler.profile(activities=_activities(device), schedule=_schedule(steps)) as prof:
         for idx in order:
             start = _mark(device)
-            x, y = x_all[idx], y_all[idx]
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(**autocast):
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
+            host.recipe_step(model, opt, scaler, autocast, x_all[idx], y_all[idx])
             marks.append((start, _mark(device)))
             prof.step()
     clock.synchronize(device)

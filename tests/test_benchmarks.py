@@ -121,6 +121,8 @@ def test_the_gpu_host_check_fails_an_engine_that_adds_a_sync_or_100us_a_step():
     step = NS(name="ProfilerStep*", time_range=NS(start=0.0, end=1000.0))
     wait = NS(name="cudaStreamSynchronize", time_range=NS(start=200.0, end=700.0))
     assert host_profile.host_per_step([step, wait]) == ([500.0], [1])  # a wait for the device is not host work
+    on_gpu = NS(name="ProfilerStep*", time_range=NS(start=5.0, end=900.0), device_type=torch.autograd.DeviceType.CUDA)
+    assert host_profile.host_per_step([step, on_gpu, wait]) == ([500.0], [1])  # the GPU timeline's copy: not the host's
 
 
 def test_the_profilers_step_ranges_are_what_the_gpu_host_check_reads():

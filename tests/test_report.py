@@ -143,7 +143,7 @@ def test_the_roofline_sits_beside_the_measured_speedups(runs, tmp_path):
                  roofline={**found, "launch_us": 4.0})
     md = (tmp_path / "r.md").read_text()
     assert "`amp` is launch-bound here: launching its 2,000 kernels one by one takes at least 8 ms a step. Its step " \
-           "profile measured the host's work per step" in md and "at 9.5 ms, 1.19x that floor." in md
+           "profile measured the host's work in a step" in md and "at 9.5 ms, 1.19x that floor." in md
     assert "| fp16 | 8 ms **launch-bound** |" in md and "| 2,000, 8 ms |" in md and "(4 us each" in md
     assert "its step is launch-bound: 2,000 kernels launched one by one take 8 ms, longer than the 6.25 ms" \
         in verdict_of(md)
@@ -248,3 +248,17 @@ def test_a_new_run_table_is_one_registry_line_its_rows_and_a_section(runs, tmp_p
     assert results.read_run(runs / "fp32")["lr_probe"] == []
     with pytest.raises(ValueError, match=r"no run table is called \['lr_probes'\]; add it to results.TABLES"):
         results.write_run(tmp_path / "x", {}, {"lr_probes": []})
+
+
+def test_the_report_page_embeds_its_figures_and_shows_text_as_written(tmp_path):
+    """report.html: a figure beside report.md becomes a data URI; one that is missing is said, not linked; text
+    such as an error's ``<lambda>`` or ``a<b`` is shown as written, never read as a tag or a script."""
+    from ampbench.report import page
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "throughput.png").write_bytes(b"\x89PNG\r\n")
+    md = ("# T\n\nfailed in <lambda>: a<b and c>d <script>x()</script>\n\n![throughput](figures/throughput.png)\n\n"
+          "![curves](figures/curves.png)\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    html = page.render(md, tmp_path)
+    assert "failed in &lt;lambda&gt;: a&lt;b and c&gt;d &lt;script&gt;" in html and "<script" not in html
+    assert '<img alt="throughput" src="data:image/png;base64,iVBORw0K">' in html
+    assert "[curves: not found]" in html and "figures/curves.png" not in html and "<table>" in html

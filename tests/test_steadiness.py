@@ -71,7 +71,7 @@ def test_the_verdict_claims_a_speedup_from_repeats_or_the_paired_check_never_fro
     # loaded the machine; the paired check, timed in turns, says 0.1x
     busy = {"fp32": _run("fp32", "fp32", [100.0] * 15 + [640.0] * 15, 100.0), "amp": _run("amp", "fp16", amp, 640.0)}
     said = _verdict(busy, _paired([0.09, 0.1, 0.11, 0.1, 0.1, 0.1]))
-    assert said.startswith("On NVIDIA H100, amp (FP16-AMP) was 10x slower than FP32 in the paired check (6 rounds")
+    assert said.startswith("On NVIDIA H100, amp (FP16-AMP) was 10.00x slower than FP32 in the paired check (6 rounds")
     assert "The two disagree: trust the paired check" in said
     assert "The machine was not steady while these ran (`fp32`: its step times spread" in said
     assert "no speedup is claimed from their stages" in said

@@ -58,7 +58,7 @@ def mlflow_sync(args) -> None:
     cfg = config.load(args.params)
     r = Path(args.reports)
     failed = tracking.sync(cfg.mlflow, Path.cwd(), r / "runs", r / "plans", r / "env.json", r / "report.md",
-                           r / "summary.json", r / "figures")
+                           r / "summary.json", r / "figures", r / "report.html", r / "metrics.json")
     if failed:
         sys.exit(1)
 

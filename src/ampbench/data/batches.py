@@ -130,6 +130,8 @@ class DeviceBatches(Batches):
         c, h, w = self.shape
         # per epoch, not per step: the batches' indices, and their labels in one gather (each batch's a view)
         order = order[:self.used]
+        if not len(order):  # an empty set has no batch (split would give one empty chunk)
+            return
         labels = self.labels[order].split(self.batch_size)
         for i, (sel, lab) in enumerate(zip(order.split(self.batch_size), labels, strict=True)):
             part = self.part(len(sel)) if self.world > 1 else None  # None: all of it (one process)

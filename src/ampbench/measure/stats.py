@@ -122,6 +122,8 @@ def ratio_ci_from_repeats(num: list[float], den: list[float]) -> tuple[float, fl
 def mean_ci(values: list[float], level: float = 0.95) -> tuple[float, float]:
     """The t-interval of the mean of ``values`` (``scipy.stats.t.interval``; two or more values)."""
     mean, sd = mean_std(values)
+    if sd == 0:  # every run the same: no spread to widen it (scipy would give NaN)
+        return mean, mean
     lo, hi = _scipy_stats().t.interval(level, len(values) - 1, loc=mean, scale=sd / math.sqrt(len(values)))
     return float(lo), float(hi)
 

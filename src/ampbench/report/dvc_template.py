@@ -3,12 +3,13 @@
     python -m ampbench.report.dvc_template .dvc/plots.html   # what `make install` runs
 
 DVC's own page loads the three libraries from a CDN, so on a node without internet it stays blank. DVC takes a
-page of our own instead (``.dvc/config``: ``[plots] html_template = plots.html``, a path relative to ``.dvc/``);
-this one carries the pinned vl-convert-python's JavaScript bundle in a ``<script>``. It is generated, not
-committed: 900 KB of someone else's minified code, made again from the pinned package at install. The bundle is
-Vega-Lite 6 and DVC's specs name v5: every plot draws (checked in headless Chromium, network off); vega-embed
-notes the difference in the browser's console. Without the page (a clone before `make install`), `dvc plots show`
-stops with "HTML template has to contain '{plot_divs}'": DVC takes the missing path's text as the template.
+page of our own instead (``[plots] html_template = plots.html``, a path relative to ``.dvc/``); this one carries
+the pinned vl-convert-python's JavaScript bundle in a ``<script>``. It is generated, not committed: 900 KB of
+someone else's minified code, made again from the pinned package at install. The bundle is Vega-Lite 6 and DVC's
+specs name v5: every plot draws (checked in headless Chromium, network off); vega-embed notes the difference in
+the browser's console. The setting goes where the page is made, in that checkout's ``.dvc/config.local``
+(`make install`) or a sandbox's own config: DVC takes a missing template's path as its text and stops ("HTML
+template has to contain '{plot_divs}'"), so a checkout without the page keeps DVC's default one.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-NAME = "plots.html"  # under .dvc/: what .dvc/config's plots.html_template names (DVC resolves it from .dvc/)
+NAME = "plots.html"  # under .dvc/: what plots.html_template names (DVC resolves it from .dvc/)
 
 # dvc_render's PAGE_HTML less its {scripts} (the CDN tags); DVC replaces {refresh_tag} and {plot_divs} by plain
 # text substitution, and each plot's div calls vegaEmbed as it is parsed, so the bundle comes first, in <head>.

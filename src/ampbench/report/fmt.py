@@ -6,6 +6,7 @@ has nothing to be taken against); never as 0.
 
 from __future__ import annotations
 
+from ampbench import precision as rungs
 from ampbench.errors import ANALYSES
 
 MIB = 2 ** 20
@@ -63,7 +64,21 @@ def faster(speedup: float | None) -> str:
     """A speedup in words: 2.00x faster, 1.25x slower (a ratio below 1 read as how many times slower); n/a."""
     if speedup is None:
         return "n/a"
-    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.3g}x slower"
+    return f"{speedup:.2f}x faster" if speedup >= 1 else f"{1 / speedup:.2f}x slower"
+
+
+def label(r: dict) -> str:
+    """A summary row's precision as people say it: FP16-AMP, BF16-AMP, FP32 (its rung's label); ", eager" where a
+    rung fast only compiled ran uncompiled."""
+    p = r.get("precision")
+    return (rungs.label(p) if p in rungs.RUNGS else str(p).upper()) + (", eager" if r.get("eager") else "")
+
+
+def spread_judged(r: dict, base: dict) -> tuple[bool, float]:
+    """Whether a variant's accuracy difference lies within run-to-run spread (under twice the larger sd of the two
+    variants over repeats), and that sd; (False, 0) where either ran once."""
+    spread = max(r.get("final_acc_std") or 0, base.get("final_acc_std") or 0)
+    return bool(spread) and abs(r.get("acc_diff") or 0) <= 2 * spread, spread
 
 
 def speedup(row: dict) -> str:

@@ -14,19 +14,12 @@ from ampbench.report.verdict import repeats_claim, unsteady
 MAX_WORDS = 30  # a bullet's budget
 
 
-def label(r: dict) -> str:
-    """A variant's precision as people say it: FP16-AMP, BF16-AMP, FP32 (its rung's label); ", eager" where a rung
-    fast only compiled ran uncompiled."""
-    p = r.get("precision")
-    return (precision.label(p) if p in precision.RUNGS else str(p).upper()) + (", eager" if r.get("eager") else "")
-
-
-def claim(r: dict, summary: dict) -> tuple[float | None, str, str | None]:
-    """A variant's speed against strict FP32 as the verdict judges it: (ratio, where it comes from, claim), the
-    claim "faster" | "slower" | None. Repeats give a t-interval; else the paired check's rounds; else one run
+def claim(name: str, summary: dict) -> tuple[float | None, str, str | None]:
+    """Variant ``name``'s speed against strict FP32 as the verdict judges it: (ratio, where it comes from, claim),
+    the claim "faster" | "slower" | None. Repeats give a t-interval; else the paired check's rounds; else one run
     each, which claims nothing."""
+    r = summary["variants"][name]
     sp, (lo, hi) = r.get("speedup"), r.get("speedup_ci95") or [None, None]
-    name = next((n for n, row in summary["variants"].items() if row is r), "")
     shaky = unsteady(summary, name, summary["baseline"])
     if (r.get("speedup_ci_method") or "").startswith("t-interval") and lo is not None:
         said = None if shaky else repeats_claim(lo, hi)
@@ -63,13 +56,17 @@ def _emulated(env: dict, r: dict) -> str:
 
 def _accuracy_words(r: dict, base: dict) -> str | None:
     """"within spread" when the difference is under twice the larger sd, else "+0.40 pts accuracy"; None without."""
-    diff = r.get("acc_diff")
-    if diff is None:
+    if r.get("acc_diff") is None:
         return None
-    spread = max(r.get("final_acc_std") or 0, base.get("final_acc_std") or 0)
-    if spread and abs(diff) <= 2 * spread:
-        return "accuracy within spread"
-    return f"{fmt.points(diff)} accuracy"
+    return "accuracy within spread" if fmt.spread_judged(r, base)[0] else f"{fmt.points(r['acc_diff'])} accuracy"
+
+
+def versus(ratio: float | None) -> str:
+    """A ratio to strict FP32 in words: "2.40x faster than strict FP32", "as fast as strict FP32", "not measured
+    against strict FP32"."""
+    words = speed(ratio)
+    return {"n/a": "not measured against strict FP32", "1.00x": "as fast as strict FP32"}.get(
+        words, f"{words} than strict FP32")
 
 
 def title(summary: dict, env: dict) -> str:
@@ -78,10 +75,9 @@ def title(summary: dict, env: dict) -> str:
     if name is None or base is None:
         return "# ampbench report: no FP32 baseline and mixed-precision pair among the finished runs"
     r, b = summary["variants"][name], summary["variants"][base]
-    ratio, _, said = claim(r, summary)
+    ratio, _, said = claim(name, summary)
     words = speed(ratio)
-    text = f"{label(r)}: {words} than strict FP32 here" if words not in ("n/a", "1.00x") \
-        else f"{label(r)}: as fast as strict FP32 here" if words == "1.00x" else f"{label(r)}: speed not measured"
+    text = f"{fmt.label(r)}: {versus(ratio)} here"
     if env.get("gpu") and r.get("mem_ratio") is not None:
         text += f", {fmt.change(r['mem_ratio'])} memory"
     acc = _accuracy_words(r, b)
@@ -92,23 +88,23 @@ def title(summary: dict, env: dict) -> str:
     return "# " + text + (f" ({'; '.join(notes)})" if notes else "")
 
 
-def _fit(head: str, parts: list[str], tail: str = "") -> str:
-    """``head`` and as many of ``parts`` as keep the bullet within MAX_WORDS words."""
-    out = head
-    for part in parts:
-        if len(f"{out}, {part}{tail}".split()) > MAX_WORDS:
-            break
-        out += f", {part}" if out != head else f" {part}"
-    return out + tail
+def _fit(head: str, parts: list[str]) -> str:
+    """``head`` and as many of ``parts`` as keep the bullet within MAX_WORDS words, the rest counted ("and 2 more
+    in the table"); ``head`` alone, less its last word, where none fits."""
+    for n in range(len(parts), -1, -1):
+        rest = f"; {len(parts) - n} more in the table" if n < len(parts) else ""
+        text = f"{head} {', '.join(parts[:n])}{rest}." if n else head.rsplit(" ", 1)[0]
+        if len(text.split()) <= MAX_WORDS or not n:
+            return text
+    return head
 
 
 def _speed_bullet(summary: dict, name: str) -> str:
-    r = summary["variants"][name]
-    ratio, where, _ = claim(r, summary)
-    head = f"**Speed**: `{name}` {speed(ratio)} than strict FP32 ({where})."
-    others = [f"`{n}` {speed(claim(o, summary)[0])}" for n, o in summary["variants"].items()
+    ratio, where, _ = claim(name, summary)
+    head = f"**Speed**: `{name}` {versus(ratio)} ({where})."
+    others = [f"`{n}` {speed(claim(n, summary)[0])}" for n, o in summary["variants"].items()
               if n not in (name, summary["baseline"]) and o.get("speedup") is not None]
-    return _fit(head + " Others:", others, ".") if others else head
+    return _fit(head + " Others:", others) if others else head
 
 
 def _memory_bullet(summary: dict, env: dict, name: str) -> str | None:
@@ -126,8 +122,8 @@ def _accuracy_bullet(summary: dict, name: str) -> str | None:
     r, b = summary["variants"][name], summary["variants"][summary["baseline"]]
     if r.get("final_acc") is None or b.get("final_acc") is None:
         return None
-    spread = max(r.get("final_acc_std") or 0, b.get("final_acc_std") or 0)
-    judged = (f"within spread (sd {spread * 100:.2f} pts)" if spread and abs(r["acc_diff"]) <= 2 * spread
+    within, spread = fmt.spread_judged(r, b)
+    judged = (f"within spread (sd {spread * 100:.2f} pts)" if within
               else f"{fmt.points(r['acc_diff'])}" + ("" if spread else ", one run each (spread unknown)"))
     return f"**Accuracy**: `{name}` {r['final_acc']:.2%} against {b['final_acc']:.2%} for strict FP32: {judged}."
 
@@ -202,9 +198,9 @@ def next_step(summary: dict, env: dict) -> str:
     r = summary["variants"][name]
     if not env.get("gpu"):
         return "**Next**: run `make repro` on a GPU (or `make gpu-check` for a quick look); a CPU emulates fp16."
-    if unsteady(summary, *summary["variants"]):
+    ratio, where, said = claim(name, summary)
+    if unsteady(summary, *summary["variants"]) and not where.startswith("paired"):  # drift cannot fake a pairing
         return "**Next**: rerun on a quiet machine (`dvc repro -f`); an unsteady stage's ratio claims nothing."
-    ratio, _, said = claim(r, summary)
     if said is None:
         return "**Next**: set `paired.rounds: 6` (or `train.repeats: 3`) and run `dvc repro` for a claim."
     if said == "faster":

@@ -28,7 +28,7 @@ pre { background: #f6f8fa; padding: 1em; overflow-x: auto; }
 img { max-width: 100%; border: 1px solid #eee; margin: .5em 0; }
 """
 
-_IMG = re.compile(r'(<img\b[^>]*?\bsrc=")([^"]+)(")')
+_IMG = re.compile(r'(<img\b[^>]*?\bsrc=")([^"]+)("[^>]*>)')
 
 
 def _data_uri(path: Path) -> str:
@@ -36,16 +36,26 @@ def _data_uri(path: Path) -> str:
     return f"data:{kind};base64,{base64.b64encode(path.read_bytes()).decode('ascii')}"
 
 
+def _converter() -> markdown.Markdown:
+    """Markdown with tables and fenced code, and no raw HTML: text such as an error's ``<lambda>`` or ``a<b`` is
+    shown as written, never read as a tag."""
+    md = markdown.Markdown(extensions=["tables", "fenced_code"], output_format="html")
+    md.preprocessors.deregister("html_block")
+    md.inlinePatterns.deregister("html")
+    return md
+
+
 def render(md_text: str, base_dir: Path) -> str:
     """The page: ``md_text`` as HTML, each image found under ``base_dir`` (report.md's folder) embedded; an image
-    that is not there is left out with its alt text, never linked."""
-    body = markdown.markdown(md_text, extensions=["tables", "fenced_code"], output_format="html")
+    that is not there is left out, its alt text in its place, never linked."""
+    body = _converter().convert(md_text)
 
     def embed(m: re.Match) -> str:
         src = html.unescape(m.group(2))
         path = (base_dir / src).resolve()
         if src.startswith(("data:", "http:", "https:", "//")) or not path.is_file():
-            return f"{m.group(1)}{m.group(3)}"
+            alt = re.search(r'\balt="([^"]*)"', m.group(0))
+            return f"<em>[{alt.group(1) if alt else 'figure'}: not found]</em>"
         return f"{m.group(1)}{_data_uri(path)}{m.group(3)}"
 
     body = _IMG.sub(embed, body)

@@ -93,9 +93,10 @@ def _host_work(found: dict, rows: dict) -> list[str]:
         host = (rows[name].get("profile") or {}).get("host_ms_per_step")
         if cell.get("launch_bound") and host is not None:
             lines.append(f"`{name}` is launch-bound here: launching its {cell['kernels']:,} kernels one by one takes "
-                         f"at least {fmt.ms(cell['launch_ms'])} a step. Its step profile measured the host's work per "
-                         f"step (the engine's Python, dispatch and launches; waits for the device excluded) at "
-                         f"{fmt.ms(host)}, {host / cell['launch_ms']:.2f}x that floor.")
+                         f"at least {fmt.ms(cell['launch_ms'])} a step. Its step profile measured the host's work in a "
+                         f"step (Python, dispatch and launches, waits for the device excluded; under torch.profiler, "
+                         f"which adds to each op's host time) at {fmt.ms(host)}, {host / cell['launch_ms']:.2f}x that "
+                         "floor.")
     return lines + [""] if lines else []
 
 

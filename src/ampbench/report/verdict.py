@@ -8,7 +8,6 @@ headline variant, the profile section for the others.
 
 from __future__ import annotations
 
-from ampbench import precision
 from ampbench.report import fmt
 
 
@@ -127,8 +126,8 @@ def _accuracy(r: dict, base: dict) -> str:
     acc, b_acc, diff = r.get("final_acc"), base.get("final_acc"), r.get("acc_diff")
     if acc is None or b_acc is None:
         return ""
-    spread = max(r.get("final_acc_std") or 0, base.get("final_acc_std") or 0)
-    if spread and abs(diff) <= 2 * spread:
+    within, spread = fmt.spread_judged(r, base)
+    if within:
         judged = f"within run-to-run spread (sd {spread * 100:.2f} points)"
     else:
         judged = f"a difference of {diff * 100:+.2f} points" + ("" if spread else " from a single run each, so its "
@@ -152,11 +151,9 @@ def verdict_items(summary: dict, env: dict) -> list[str]:
                 "the table below shows what was measured."]
     r, base = summary["variants"][name], summary["variants"][base_name]
     where = env["gpu"]["name"] if env.get("gpu") else f"this CPU ({env.get('cpu_model')})"
-    label = precision.label(r.get("precision")) if r.get("precision") in precision.RUNGS \
-        else str(r.get("precision")).upper()
-    label += ", eager" if r.get("eager") else ""
     said, claim = speed(r, summary, name)
-    items = [f"On {where}, {name} ({label}) {said}, {_memory(r)}{_accuracy(r, base)}."]
+    items = [f"On {where}, {name} ({fmt.label(r)}) {said}.",
+             f"Beside strict FP32, {name} ran {_memory(r)}{_accuracy(r, base)}."]
     shaky = unsteady(summary, name, base_name)
     if shaky:
         items.append("The machine was not steady while these ran (" + "; ".join(shaky) + "), so no speedup is "

@@ -311,7 +311,8 @@ def safely(what: str, fn, cfg: MlflowConfig, repo_root: Path, *args) -> str | No
 
 
 def sync(cfg: MlflowConfig, repo_root: Path, runs_dir: Path, plans_dir: Path, env_path: Path,
-         report_md: Path, summary_json: Path, fig_dir: Path) -> int:
+         report_md: Path, summary_json: Path, fig_dir: Path, report_html: Path | None = None,
+         metrics_json: Path | None = None) -> int:
     """Log every on-disk run not yet in MLflow (the train runs, then the report); return how many failed."""
     env_info = json.loads(Path(env_path).read_text()) if Path(env_path).is_file() else {}
     pipeline = pipeline_id(plans_dir, env_path)
@@ -325,7 +326,7 @@ def sync(cfg: MlflowConfig, repo_root: Path, runs_dir: Path, plans_dir: Path, en
                          pipeline) is None
     if Path(summary_json).is_file():
         failed += safely("report", log_report, cfg, repo_root, report_md, summary_json, fig_dir, env_info,
-                         pipeline, None, report_md.with_suffix(".html"), summary_json.with_name("metrics.json")) is None
+                         pipeline, None, report_html, metrics_json) is None
         failed += safely("the ratios on the training runs", log_comparison, cfg, repo_root, summary_json,
                          runs_dir) is None
     return failed

@@ -132,7 +132,7 @@ class Trainer:
         self.stop_agreed = False     # under DDP: Ctrl-C or SIGTERM seen by some rank, agreed by all
         self.stop_vote = distributed.StopVote(self.world)
         self.vote_every = 1  # steps between stop votes: every step until a loss sync has timed them
-        self._synced_at = (time.perf_counter(), 0)  # when the last loss sync was, and at which global step
+        self._synced_at = (time.perf_counter(), 0)  # when the last loss sync (or the epoch) began, at which step
         self.t_start = time.perf_counter()
 
     def analysis(self, name: str, fn, *args):
@@ -186,6 +186,7 @@ class Trainer:
         bar = tqdm(total=self.steps_per_epoch, initial=self.step_in_epoch, disable=not self.progress, unit="step",
                    dynamic_ncols=True, desc=f"{plan.variant} epoch {epoch + 1}/{plan.train.epochs}")
         self.clock.begin()
+        self._synced_at = (time.perf_counter(), self.global_step)  # steps timed from here (evaluation, a resume apart)
         self.peaks.open("train" if self.clock.process_steps >= 1 else "first step")
         phase = None
         with clock.wall_clock(self.device) as wall, contextlib.closing(self.peaks):  # a failure closes it too

@@ -132,8 +132,11 @@ def host_per_step(events) -> tuple[list[float], list[int]]:
     """From torch.profiler's events, each profiled step's host work in microseconds (its ``ProfilerStep`` range on
     the host, less the time it waited in host syncs) and the number of those syncs. On a launch-bound GPU step that
     work is the step's time: each microsecond of it counts against every precision alike."""
-    steps = sorted((e for e in events if e.name.startswith("ProfilerStep")), key=lambda e: e.time_range.start)
-    syncs = [(e.time_range.start, e.time_range.end) for e in events if e.name in SYNCS]
+    # the host's events only: Kineto also puts a copy of each step's range on the GPU's timeline (device CUDA)
+    host_events = [e for e in events
+                   if getattr(e, "device_type", torch.autograd.DeviceType.CPU) == torch.autograd.DeviceType.CPU]
+    steps = sorted((e for e in host_events if e.name.startswith("ProfilerStep")), key=lambda e: e.time_range.start)
+    syncs = [(e.time_range.start, e.time_range.end) for e in host_events if e.name in SYNCS]
     host, count = [], []
     for step in steps:
         start, end = step.time_range.start, step.time_range.end
