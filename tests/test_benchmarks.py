@@ -141,3 +141,18 @@ def test_the_profilers_step_ranges_are_what_the_gpu_host_check_reads():
             prof.step()
     host, syncs = host_profile.host_per_step(list(prof.events()))
     assert len(host) == 4 and all(us > 0 for us in host) and syncs == [0, 0, 0, 0]
+
+
+def test_the_aa_benchmark_counts_every_claim_of_a_twin_as_false():
+    """paired_aa: a "faster" or "slower" of the identical twin or of tf32 (fp32's arithmetic on a CPU) is false;
+    the row gives the count, the rate and its exact 95% upper bound."""
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import paired_aa
+    finally:
+        sys.path.pop(0)
+    said = paired_aa.false_claims({"vs_fp32": {"fp32_twin": {"claim": "faster"}, "tf32": {"claim": None}}})
+    assert said == {"fp32_twin": "faster", "tf32": None}
+    assert paired_aa.false_claims({"vs_fp32": {}}) == {"fp32_twin": None, "tf32": None}  # not timed: no claim
+    runs = [said] + [{"fp32_twin": None, "tf32": "slower"}] + [{"fp32_twin": None, "tf32": None}] * 98
+    assert paired_aa.row("quiet", runs) == "| quiet | 100 | 200 | 2 (fp32_twin 1, tf32 1) | 1.0% | 3.6% |"
