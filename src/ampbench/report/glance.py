@@ -226,10 +226,10 @@ def table(summary: dict) -> list[str]:
     return lines
 
 
-def first_screen(summary: dict, env: dict) -> list[str]:
-    """The title, the bullets, what to do next, and the summary table."""
+def first_screen(summary: dict, env: dict, model: str = "") -> list[str]:
+    """The title, the model it is about (``model``: a line), the bullets, what to do next, the summary table."""
     found = bullets(summary, env)
     note = ("Ratios of one stage each; the paired check times the variants in turns in one process. The sections "
             "below give each figure with its evidence.")
-    return [title(summary, env), ""] + found + ([""] if found else []) + [next_step(summary, env), ""] \
-        + table(summary) + ["", note, ""]
+    return [title(summary, env), ""] + ([model, ""] if model else []) + found + ([""] if found else []) \
+        + [next_step(summary, env), ""] + table(summary) + ["", note, ""]

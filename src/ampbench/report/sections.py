@@ -63,8 +63,7 @@ def _accuracy(r: dict) -> str:
 def header(summary: dict, env: dict, runs: dict) -> list[str]:
     """The first screen: the answer as a title, the model it is about, six bullets, what next, the summary
     table (``glance``)."""
-    lines = glance.first_screen(summary, env)
-    return lines[:2] + ([f"{model_line(_first(runs))}.", ""] if runs else []) + lines[2:]
+    return glance.first_screen(summary, env, f"{model_line(_first(runs))}." if runs else "")
 
 
 def verdict(summary: dict, env: dict, runs: dict) -> list[str]:

@@ -117,8 +117,16 @@ class StepLedger:
 
     @property
     def loss_sum(self) -> torch.Tensor:
-        """The epoch's loss summed over its images, on the device: the steps' losses are added in one go here (at
-        the loop's syncs), not one op per step."""
+        """The epoch's loss summed over its images, on the device (read at the loop's syncs)."""
+        self._sum_pending()
+        return self._loss_sum
+
+    @loss_sum.setter
+    def loss_sum(self, value: torch.Tensor) -> None:
+        self._loss_sum, self._losses, self._images = value, [], []
+
+    def _sum_pending(self) -> None:
+        """Add the steps' losses not yet in the sum, in one go: a few ops at a sync, not one op a step."""
         if self._losses:
             losses = torch.stack(self._losses)
             if self.deferred:  # an inf/NaN loss stays out of the sum; settle uncounts its images
@@ -128,11 +136,6 @@ class StepLedger:
             else:
                 self._loss_sum.add_((losses * losses.new_tensor(self._images)).sum())
             self._losses, self._images = [], []
-        return self._loss_sum
-
-    @loss_sum.setter
-    def loss_sum(self, value: torch.Tensor) -> None:
-        self._loss_sum, self._losses, self._images = value, [], []
 
     def mark(self) -> int:
         """Before a step: the count of steps taken so far."""
@@ -227,7 +230,7 @@ class StepLedger:
         self.settle()
         state = {k: getattr(self, k) for k in self.SCALARS}
         if self.world.size > 1:  # the ranks' losses are summed here; rank 0 alone resumes with them
-            self.loss_sum  # noqa: B018 (a property that sums the steps' losses not yet summed)
+            self._sum_pending()
         # in one process the steps not yet summed are kept as they are, so that a resumed run sums the same losses
         # in the same groups as an uninterrupted one, to the last bit
         unsummed = list(zip(torch.stack(self._losses).tolist(), self._images, strict=True)) if self._losses else []
