@@ -76,6 +76,28 @@ def test_device_batches_resume_at_their_batch_too():
     assert all(torch.equal(a[0], c[0]) for a, c in zip(whole[3:], resumed, strict=True)) and len(resumed) == 2
 
 
+@pytest.mark.parametrize("augment", [True, False])
+def test_device_batches_made_in_chunks_are_the_batches_made_one_by_one(augment):
+    """A chunk of batches gathered and normalised at once gives each batch as made alone, bit for bit, resumed
+    mid-chunk too; the normalisation is (x - mean) / std per channel, as the per-channel broadcast computes it."""
+    x, y = _set(n=200)
+    mean, std = [0.49, 0.48, 0.45], [0.25, 0.24, 0.26]
+    b = batches.DeviceBatches(x, y, 8, mean, std, augment=augment, shuffle=True, channels_last=True, seed=3, pad=2)
+    assert b.chunk == batches.MAX_CHUNK  # 8 images of 8x8: many batches to a chunk
+    chunked = list(b.epoch(1))
+    b.chunk = 1
+    alone = list(b.epoch(1))
+    assert len(chunked) == 25 and all(torch.equal(a[0], c[0]) and torch.equal(a[1], c[1])
+                                      for a, c in zip(chunked, alone, strict=True))
+    b.chunk = 7
+    assert all(torch.equal(a[0], c[0]) for a, c in zip(chunked[3:], b.epoch(1, start=3), strict=True))
+    plain = batches.DeviceBatches(x, y, 8, mean, std, augment=False, shuffle=False, channels_last=True)
+    first = next(plain.epoch(0))[0]
+    inv = 1 / (torch.tensor(std).view(1, 3, 1, 1) * 255)
+    assert torch.equal(first, torch.addcmul(-torch.tensor(mean).view(1, 3, 1, 1) * 255 * inv, x[:8], inv))
+    assert first.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_workers_ignore_ctrl_c(monkeypatch):
     """A terminal's Ctrl-C reaches the workers as well: they must not die with a KeyboardInterrupt."""
     real = stream._Crops.__getitem__

@@ -150,7 +150,7 @@ class Trainer:
         knows yet (a fused optimizer under fp16: the ledger settles it at the next sync)."""
         if global_count is None:
             global_count = self.train_batches.global_count(self.step_in_epoch)
-        n = len(y)
+        n = y.shape[0]  # not len(): Tensor.__len__ is Python, per step
         self.last_batch = (x, y)  # kept (not copied) for a diagnosis if this step goes non-finite
         # this rank's share of the global batch, times the world: DDP's mean over ranks is the batch's mean
         # (exactly 1 in one process, and wherever the slices are equal)
@@ -189,23 +189,27 @@ class Trainer:
         self._synced_at = (time.perf_counter(), self.global_step)  # steps timed from here (evaluation, a resume apart)
         self.peaks.open("train" if self.clock.process_steps >= 1 else "first step")
         phase = None
+        # per epoch, not per step: each batch's images over all ranks, and what the loop reads of the clock
+        counts = [self.train_batches.global_count(i) for i in range(self.steps_per_epoch)]
+        steps, step_clock, active = self.steps_per_epoch, self.clock, self.world.active
+        data_span, compute_span = step_clock.data(), step_clock.compute()
         with clock.wall_clock(self.device) as wall, contextlib.closing(self.peaks):  # a failure closes it too
-            while self.step_in_epoch < self.steps_per_epoch and not self.stop_now():
-                if phase != (now := sysmon.TIMED if self.clock.process_steps >= self.clock.warmup else "warmup"):
+            while self.step_in_epoch < steps and not (self.stop_agreed if active else self.stop_requested):
+                if phase != (now := sysmon.TIMED if step_clock.process_steps >= step_clock.warmup else "warmup"):
                     sysmon.set_phase(phase := now)  # on change, not every step
-                count = self.train_batches.global_count(self.step_in_epoch)  # all ranks' images
-                with self.clock.data():
+                count = counts[self.step_in_epoch]  # all ranks' images
+                with data_span:
                     x, y = next(batches)
-                with self.clock.compute():
+                with compute_span:
                     self.optimizer_step(x, y, count)
-                self.clock.step_done(count)
-                if self.clock.process_steps == 1:  # the first step autotuned: the steady state starts here
+                step_clock.step_done(count)
+                if step_clock.process_steps == 1:  # the first step autotuned: the steady state starts here
                     self.peaks.close()
                     self.peaks.open("train")
                 self.global_step += 1
                 self.step_in_epoch += 1
                 bar.update(1)
-                if self.world.active and self.global_step % self.vote_every == 0:  # the same steps on every rank
+                if active and self.global_step % self.vote_every == 0:  # the same steps on every rank
                     self.stop_agreed = self.stop_agreed or self.stop_vote(self.stop_requested)
                 if self.step_in_epoch % 25 == 0 or self.step_in_epoch == self.steps_per_epoch:
                     self.ledger.settle()  # gradient norms, a fused optimizer's skips: read where the loop syncs

@@ -6,8 +6,9 @@ loop has one code path for every precision. What each precision means is its run
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ def dtype(name: str) -> torch.dtype:
     """The dtype a precision computes its autocast-eligible ops in (fp32 for one with no autocast)."""
     a = RUNGS[name].autocast
     return getattr(torch, a) if a else torch.float32
+
+
+_NO_CONTEXT = nullcontext()  # reusable: entered by every step of a rung on the default kernels
 
 
 @dataclass(frozen=True)
@@ -38,17 +42,22 @@ class PrecisionPolicy:
         """What this precision converts in ``model`` (unconverted), as ``prepare`` converts it; None if nothing."""
         return self.rung.census(model, self.recipe, image_size, self.convert_ends)
 
-    @property
+    @cached_property  # read every step: looked up once (the policy is frozen)
     def rung(self) -> Rung:
         return RUNGS[self.precision]
 
-    @property
+    @cached_property
     def dtype(self) -> torch.dtype:
         return dtype(self.precision)
 
-    @property
+    @cached_property
     def uses_autocast(self) -> bool:
         return self.rung.autocast is not None
+
+    @cached_property
+    def _plain_kernels(self) -> bool:
+        """The rung runs its ops on the default kernels (no context around a step): most do."""
+        return type(self.rung).kernels is Rung.kernels
 
     @property
     def uses_scaler(self) -> bool:
@@ -57,9 +66,8 @@ class PrecisionPolicy:
     def autocast(self) -> AbstractContextManager:
         """The forward-pass context: autocast to the precision's dtype, or a disabled one, with the rung's kernels
         (``kernels``)."""
-        cast = torch.autocast(self.device_type, dtype=self.dtype if self.uses_autocast else None,
-                              enabled=self.uses_autocast)
-        if type(self.rung).kernels is Rung.kernels:  # the common case, per step: nothing around autocast
+        cast = torch.autocast(self.device_type, dtype=self.dtype, enabled=self.uses_autocast)
+        if self._plain_kernels:  # the common case, per step: nothing around autocast
             return cast
         stack = ExitStack()
         stack.enter_context(self.kernels())
@@ -69,7 +77,7 @@ class PrecisionPolicy:
     def kernels(self) -> AbstractContextManager:
         """The context a step's forward and backward passes run in: which kernels serve the rung's ops here (fp8
         on a CPU: torch._scaled_mm's emulated kernel, not oneDNN's)."""
-        return self.rung.kernels(self.device_type)
+        return _NO_CONTEXT if self._plain_kernels else self.rung.kernels(self.device_type)
 
     def scaler(self) -> torch.amp.GradScaler:
         """A GradScaler from params.yaml's ``amp`` section; disabled (a no-op) unless the precision needs one."""

@@ -27,7 +27,7 @@ def accumulate_gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tenso
     size) keeps DDP's average over ranks equal to the global batch's mean when
     the ranks' slices differ in size.
     """
-    n = len(y)
+    n = y.shape[0]
     if micro >= n:  # one micro-batch (no accumulation): the recipe's three lines, nothing around them
         with policy.autocast():
             loss = F.cross_entropy(model(x), y)
