@@ -45,8 +45,9 @@ def main() -> None:
     write_json(Path(args.out), result)
     said = "; ".join(f"{n} {r['median']:.2f}x fp32 (rounds {r['lo']:.2f} to {r['hi']:.2f})"
                      for n, r in result["vs_fp32"].items())
-    print(f"paired: {cfg.paired.rounds} rounds of {cfg.paired.steps} steps at batch {cfg.train.batch_size}: "
-          f"{said or 'no ratio'} -> {args.out}")
+    windows = ", ".join(f"{n} {k}" for n, k in (result.get("steps") or {}).items())
+    print(f"paired: {cfg.paired.rounds} rounds at batch {cfg.train.batch_size} (steps per window: "
+          f"{windows or 'none'}): {said or 'no ratio'} -> {args.out}")
 
 
 if __name__ == "__main__":

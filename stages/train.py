@@ -76,14 +76,14 @@ def train(plan: runplan.RunPlan, args: argparse.Namespace, world: distributed.Wo
             result = runner.train_repeats(plan, prepared, checkpoint_dir=Path(args.checkpoints), world=world)
     except NonFiniteTraining as err:  # keep what the completed epochs measured, with the diagnosis
         if err.result is not None and world.main:
-            err.result.system, err.result.system_samples = monitor.rows, monitor.samples
+            err.result.system, err.result.system_samples = monitor.snapshot()
             err.result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
             save(plan, err.result, info, out, Path(args.plan).parent, Path(args.env), args.params,
                  prepared["meta"])
         raise
     if not world.main:
         return
-    result.system, result.system_samples = monitor.rows, monitor.samples
+    result.system, result.system_samples = monitor.snapshot()
     result.metrics.update(started_at=started, dataset=data.record(Path(args.data), prepared["meta"]))
     save(plan, result, info, out, Path(args.plan).parent, Path(args.env), args.params, prepared["meta"])
     checkpoint.clear(Path(args.checkpoints))

@@ -69,3 +69,39 @@ def test_refusals_are_named_by_their_cause(monkeypatch):
     assert access.for_status(403, "team").startswith("this account (bob) may not write to experiment 'team'")
     assert "--allowed-hosts" in access.for_status(403, "team", "Invalid Host header - possible DNS rebinding")
     assert access.for_status(500) is None
+
+
+def test_a_server_on_an_ipv6_address_is_probed_and_told_at_a_bracketed_url():
+    """``--host ::1`` is loopback: the readiness probe must reach it (``http://::1:5000`` is no URL: requests refuses
+    it, and the probe would wait its whole timeout, then stop a healthy server)."""
+    import http.server
+    import socket
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    class V6(http.server.HTTPServer):
+        address_family = socket.AF_INET6
+
+    httpd = V6(("::1", 0), Health)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+
+    class Running:
+        def poll(self):
+            return None
+
+    try:
+        told, probe = server.base_urls("http", "::1", port)
+        assert told == probe == f"http://[::1]:{port}"
+        assert server._wait_until_up(Running(), probe, 10)
+    finally:
+        httpd.shutdown()
+    assert server.base_urls("https", "::", 5000) == ("https://[::]:5000", "https://[::1]:5000")
+    assert server.base_urls("http", "0.0.0.0", 5000) == ("http://0.0.0.0:5000", "http://127.0.0.1:5000")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -93,7 +94,7 @@ def test_a_model_with_parameters_its_loss_does_not_use_under_ddp_exits_2(tmp_pat
                       "set distributed.find_unused_parameters: true"])
 
 
-def _assert_rejected(tmp_path, monkeypatch, capsys, text: str, words: list[str]) -> None:
+def _assert_rejected(tmp_path, monkeypatch, capsys, text: str, words: list[str]) -> str:
     """env_check on ``text``: exit 2, one line holding ``words``, no traceback, reports/ and data/ untouched."""
     for rel, content in {"reports/env.json": "{}\n", "reports/plans/fp32.json": "{}\n",
                          "data/prepared/meta.json": "{}\n"}.items():
@@ -114,7 +115,26 @@ def _assert_rejected(tmp_path, monkeypatch, capsys, text: str, words: list[str])
     for word in words:
         assert word in err, err
     assert _snapshot(tmp_path) == before
+    return err
 
 
 def test_there_are_at_least_25_cases():
     assert len(CASES) >= 25
+
+
+@pytest.mark.parametrize("key", ["model.arch", "data.source", "variants.fp32.precision"])
+def test_a_huge_bad_value_is_quoted_in_a_line_s_worth(tmp_path, monkeypatch, capsys, real_params, key):
+    """A 10 MB value is refused in one short line: its start and its length, not the whole of it."""
+    params = copy.deepcopy(real_params)
+    _set(params, key, "x" * 10_000_000)
+    err = _assert_rejected(tmp_path, monkeypatch, capsys, yaml.safe_dump(params), [key, "(10,000,000 characters)"])
+    assert len(err) < 600, err[:1000]
+
+
+def test_the_python_the_package_admits_has_tarfile_s_extraction_filters():
+    """The data stage extracts with ``filter="data"`` (Python 3.11.4 and later): an older 3.11 must be refused at
+    install, not end the data stage in a TypeError."""
+    import tomllib
+
+    spec = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert spec.replace(" ", "") == ">=3.11.4"

@@ -106,14 +106,14 @@ def _stop_worker(rank: int, port: int, folder: str) -> None:
 
         def stepping(x, y, *count, trainer=trainer, take=take):
             if rank == 1 and trainer.step_in_epoch == 2:  # a SIGTERM that reached rank 1 alone, in the third step
-                trainer.stop_requested = True
+                trainer.stop_requested, trainer.stop_signal = True, 15
             return take(x, y, *count)
 
         trainer.optimizer_step = stepping
         row = trainer.run_epoch()
         trainer.stop_vote.close()  # the last vote in flight, before the next trainer votes on the same group
         out[every] = {"row": row, "at": trainer.step_in_epoch, "of": trainer.steps_per_epoch,
-                      "stop": trainer.stop_now(),
+                      "stop": trainer.stop_now(), "signal": trainer.agreed_signal(),
                       "weights": [float(p.detach().double().sum()) for p in trainer.model.parameters()]}
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
     distributed.shutdown()
@@ -128,6 +128,7 @@ def test_a_stop_seen_by_one_rank_stops_every_rank_two_steps_later_not_at_the_nex
     ranks = [r["1"] for r in found]  # voting after every step
     assert ranks[0]["of"] == 16
     assert [r["at"] for r in ranks] == [4, 4] and all(r["stop"] and r["row"] is None for r in ranks)
+    assert [r["signal"] for r in ranks] == [15, 15]  # rank 0 saw none itself: it exits 143 too, not 128
     assert ranks[0]["weights"] == ranks[1]["weights"]  # the same steps taken
     # short steps vote every few (StopVote.every): sent after step 3, read at the next vote, after step 6
     spaced = [r["3"] for r in found]

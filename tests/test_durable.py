@@ -89,3 +89,17 @@ def test_every_write_is_flushed_to_disk_with_its_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real(fd)))
     results.atomic_write(tmp_path / "a.json", "{}\n")
     assert synced[0].startswith(str(tmp_path / ".a.json.")) and synced[1] == str(tmp_path)
+
+
+def test_a_plain_mode_is_read_without_setting_the_umask(monkeypatch):
+    """Setting the umask to 0 and back to read it would, for that moment, give any file another thread makes (the
+    system monitor's, MLflow's, Inductor's) mode 0666: the umask is read from /proc/self/status instead."""
+    real = os.umask(0o027)
+    calls = []
+    monkeypatch.setattr(os, "umask", lambda mask: (calls.append(mask), real)[1])
+    try:
+        assert results.plain_mode() == 0o640 and results.plain_mode(folder=True) == 0o750
+        assert calls == []
+    finally:
+        monkeypatch.undo()
+        os.umask(real)

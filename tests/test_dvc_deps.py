@@ -16,9 +16,10 @@ from ampbench.sandbox import REPO_ROOT
 
 STAGES = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
 # Modules that change no output DVC tracks: the version, error messages and exit codes, MLflow logging and the
-# tracking server's check (a warning printed, never written to a stage's outputs).
+# tracking server's check (a warning printed, never written to a stage's outputs), a file's mode (DVC hashes the
+# bytes, not the mode).
 EXEMPT = {"src/ampbench/__init__.py", "src/ampbench/errors.py", "src/ampbench/tracking/__init__.py",
-          "src/ampbench/tracking/access.py"}
+          "src/ampbench/tracking/access.py", "src/ampbench/modes.py"}
 
 
 def reached(script: Path) -> set[str]:
@@ -64,3 +65,21 @@ def test_the_data_stage_depends_on_what_makes_the_set_not_on_how_training_reads_
     assert not feeds & reached(REPO_ROOT / "stages" / "data.py")
     deps = STAGES["data"]["deps"]
     assert not [d for d in deps if any(f == d or f.startswith(d.rstrip("/") + "/") for f in feeds)], deps
+
+
+def test_a_sandbox_an_older_ampbench_made_gives_dvc_the_outputs_it_now_caches(tmp_path):
+    """`make demo` again after an upgrade: the old demo committed reports/report.html, which the pipeline now
+    caches with DVC, and DVC refuses to write an output git tracks. The sandbox takes it out of git's index."""
+    import subprocess
+
+    from ampbench import sandbox
+    dest = tmp_path / "demo"
+    (dest / "reports").mkdir(parents=True)
+    (dest / "reports" / "report.html").write_text("<p>an older run's page</p>")
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    sandbox.commit(dest, "an older ampbench's demo")
+    sandbox.create(dest, {"device": "cpu"})
+    tracked = subprocess.run(["git", "ls-files", "reports"], cwd=dest, capture_output=True, text=True).stdout
+    assert "reports/report.html" not in tracked.split()
+    assert (dest / "reports" / "report.html").is_file()  # left on disk for DVC to replace
+    assert "reports/report.html" in sandbox.cached_outs(REPO_ROOT / "dvc.yaml")

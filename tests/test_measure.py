@@ -290,3 +290,50 @@ def test_step_clock_records_three_events_a_step_on_cuda_and_syncs_once(monkeypat
     assert _FakeEvent.log == ["record"] * (3 * 4 + 1) + ["sync"] and images == 32
     # each event is one tick of the fake clock: data 1, compute 1 (from the data's end), cycle 3 (data to data)
     assert c.data_ms == [1.0] * 4 and c.compute_ms == [1.0] * 4 and c.cycle_ms == [3.0] * 4
+
+
+def test_a_sampler_hung_in_nvml_past_its_join_cannot_change_what_the_stage_summarizes(monkeypatch):
+    """An NVML call that hangs keeps the sampling thread alive past the stage's join; when it returns, the thread
+    appends a sample. The stage's snapshot, taken at the join, stays whole: its series the same length, summarized
+    without a ValueError from zip(strict=True), and no sample added after it."""
+    import sys
+    import threading
+    import time
+
+    from ampbench.measure import sysmon
+    fake, release, hung = _FakeNVML(), threading.Event(), threading.Event()
+    clock = fake.nvmlDeviceGetClockInfo
+
+    def hanging(h, kind):
+        if hung.is_set():  # the second sample's clock read hangs until released
+            release.wait(10)
+        hung.set()
+        return clock(h, kind)
+
+    fake.nvmlDeviceGetClockInfo = hanging
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(sysmon.SystemMonitor, "JOIN_S", 0.05)
+    with sysmon.SystemMonitor(interval_s=0.01, gpu_uuid="5b2f0000-aaaa-bbbb-cccc-000000000001") as mon:
+        while not hung.is_set():
+            time.sleep(0.01)
+        time.sleep(0.1)
+    rows, samples = mon.snapshot()
+    release.set()  # the hung call returns: the thread adds its sample, or would
+    mon._thread.join(5)
+    assert not mon._thread.is_alive()
+    assert len(rows) == len(mon.rows) and all(len(v) == len(samples["timed"]) for v in mon.samples.values())
+    assert sysmon.summary(rows, 100.0, samples)["gpu_sm_clock_mhz_median"] == 1980
+
+
+def test_activation_bytes_of_a_view_count_its_own_images_not_the_storage_it_views():
+    """A batch is a view of its chunk (and a micro-batch of its batch): the first layer saves its input for backward,
+    and counting the storage behind the view would charge a strict-fp32 pass the whole chunk."""
+    from ampbench.train import probes
+    from ampbench.train.policy import PrecisionPolicy
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(10))
+    chunk = torch.randn(64, 3, 8, 8)
+    policy = PrecisionPolicy("fp32", "cpu", None)
+    alone = probes.activation_bytes(model, chunk[:8].clone(), policy)
+    assert probes.activation_bytes(model, chunk[:8], policy) == alone
+    assert alone < chunk.numel() * 4  # the 8 images' input and their feature maps, not the chunk's 64

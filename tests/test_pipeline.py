@@ -87,7 +87,7 @@ def test_every_declared_output_exists(pipeline):
     assert all(len(v) == 1 for v in found["imgs_per_s"].values()) and found["baseline"] == "fp32"
     assert "## Steadiness and the paired check" in md and "| amp | fp16 |" in md
     assert summary["variants"]["amp"]["paired"]["rounds"] == found["vs_fp32"]["amp"]["rounds"]
-    assert "6 rounds agreeing are needed" in verdict  # 1 round: measured, no claim
+    assert "8 rounds agreeing are needed" in verdict  # 1 round: measured, no claim
     _headline_metrics(json.loads((r / "metrics.json").read_text()), summary)
     _self_contained_page((r / "report.html").read_text(), len(list((r / "figures").glob("*.png"))))
 

@@ -183,3 +183,47 @@ def test_a_real_server_killed_mid_log_or_answering_503s_keeps_every_run_exactly_
     row = module.one_point(proxy, repo, plan, "every-third-503", fail_every=3)
     assert row["ok"] and row["first_log"] == "ok", row
     assert sum(fate == "503" for _, _, fate in row["log"]) >= 3
+
+
+def _one_key_log(tmp_path):
+    return {"run_name": "train@fp32", "key": "0123456789abcdef0123", "params": {"lr": 0.1}, "metrics": {"acc": 0.5},
+            "tags": {}}
+
+
+def test_a_run_another_writer_completed_after_the_first_look_is_kept_not_deleted_as_partial(tmp_mlflow, tmp_path,
+                                                                                            monkeypatch):
+    """Two machines log the same results: the second looks (no whole run yet), the first completes its run, and
+    the second's sweep of partial runs must not take that whole run for one: it is the run, kept, logged once."""
+    cfg, args = config.MlflowConfig(), _one_key_log(tmp_path)
+    theirs, new = tracking.log_run(cfg, tmp_path, **args)
+    assert new
+    real, looks = tracking.complete_run, [0]
+
+    def first_look_before_theirs(*a, **kw):
+        looks[0] += 1
+        return None if looks[0] == 1 else real(*a, **kw)
+
+    monkeypatch.setattr(tracking, "complete_run", first_look_before_theirs)
+    assert tracking.log_run(cfg, tmp_path, **args) == (theirs, False)
+    client = MlflowClient(tmp_mlflow)
+    runs = client.search_runs([client.get_experiment_by_name("ampbench").experiment_id])
+    assert [(r.info.run_id, r.info.status) for r in runs] == [(theirs, "FINISHED")]
+
+
+def test_a_run_retired_under_its_writer_is_a_failed_log_with_its_marker_not_already_logged(tmp_mlflow, tmp_path,
+                                                                                           monkeypatch, capsys):
+    """Another writer took this run, mid-logging, for a partial one and retired it, and kept none: the log did not
+    take. It is said as a failure, and the marker stays for `ampbench mlflow-sync`, not "already logged (run None)"."""
+    cfg, args = config.MlflowConfig(), _one_key_log(tmp_path)
+    real, looks = tracking.complete_run, [0]
+
+    def retired_meanwhile(*a, **kw):
+        looks[0] += 1
+        return None if looks[0] == 2 else real(*a, **kw)
+
+    monkeypatch.setattr(tracking, "complete_run", retired_meanwhile)
+    assert tracking.safely("train@fp32", lambda c, root: tracking.log_run(c, root, **args), cfg, tmp_path) is None
+    out = capsys.readouterr().out
+    assert "warning: MLflow logging of train@fp32 failed" in out and "removed while it was logged" in out
+    assert "already logged" not in out
+    assert results.pending_line(tracking.project_root(tmp_path)).startswith("1 result(s) are on disk but not in")

@@ -134,7 +134,7 @@ def test_the_roofline_sits_beside_the_measured_speedups(runs, tmp_path):
     assert len(bullets) == 5 and all(len(b.split()) <= 30 for b in bullets)  # no profile here: no "Why"
     assert "- **Headroom**: the roofline allows fp16 8.00x strict FP32 on A100 80GB SXM; `amp` reached 6% of its " \
            "roofline img/s." in bullets
-    assert "**Next**: set `paired.rounds: 6` (or `train.repeats: 3`)" in md  # one run each: no claim yet
+    assert "**Next**: set `paired.rounds: 8` (or `train.repeats: 3`)" in md  # one run each: no claim yet
     # a step whose launches outlast its kernels: launch-bound, in the table and the verdict
     table["fp16"].update(step_ms=8.0, kernels_ms=6.25, launch_ms=8.0, kernels=2000, launch_bound=True)
     amp = json.loads((runs / "amp" / "metrics.json").read_text())

@@ -188,3 +188,74 @@ def test_streamed_run_resumes_after_sigkill(setup, stream_reference):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resuming from the checkpoint at epoch" in again.stdout
     assert _history(setup, "skill") == stream_reference
+
+
+def test_a_second_sigterm_aborts_with_143_and_the_handler_writes_to_no_python_stream(monkeypatch, capfd):
+    """The first signal asks for a stop and says so; the second aborts at once, exit 128 + its number (a second
+    SIGTERM 143, not Ctrl-C's 130). The handler writes its line to the file descriptor itself: a print there, when
+    the signal lands inside a blocked write to stdout, raises "reentrant call inside BufferedWriter"."""
+    from types import SimpleNamespace
+
+    from ampbench.errors import run_cli
+    from ampbench.train import distributed, runner
+
+    def reentrant(*args, **kwargs):
+        raise RuntimeError("reentrant call inside <_io.BufferedWriter name='<stdout>'>")
+
+    monkeypatch.setattr(runner.tqdm, "write", reentrant)
+    monkeypatch.setattr("builtins.print", reentrant)
+    trainer = SimpleNamespace(stop_requested=False, stop_signal=0, world=distributed.SINGLE)
+
+    def stage():
+        with runner.stop_on_signal(trainer):
+            handler = signal.getsignal(signal.SIGTERM)
+            handler(signal.SIGTERM, None)
+            assert trainer.stop_requested and trainer.stop_signal == signal.SIGTERM
+            try:
+                handler(signal.SIGTERM, None)
+            finally:
+                monkeypatch.undo()  # run_cli's own line is a print
+
+    with pytest.raises(SystemExit) as stop:
+        run_cli(stage)
+    assert stop.value.code == 128 + signal.SIGTERM
+    out, err = capfd.readouterr()
+    assert "SIGTERM: stopping after this step and saving a checkpoint" in out
+    assert err.strip() == "aborted by a second SIGTERM"
+
+
+def test_dvc_dying_of_a_sigterm_stops_its_train_stage_at_a_step_with_a_checkpoint(setup, tmp_path):
+    """``docker stop`` behind tini (or a shell): the SIGTERM reaches DVC alone, which forwards nothing to the stage
+    it runs and dies of it. The stage hears its parent's death as a SIGTERM (PR_SET_PDEATHSIG), stops at a step
+    boundary and saves a checkpoint, its output (DVC's pipes, now without a reader) sent nowhere."""
+    import shlex
+
+    import psutil
+    import torch
+    import yaml
+
+    from ampbench.sandbox import env_with_venv
+    name = "dvcterm"
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"train": {"cmd": shlex.join(_cmd(
+        setup, _plan(setup, name), name))}}}))
+    env = {**env_with_venv(), "SHELL": "/bin/bash"}  # DVC runs a stage as $SHELL -c '<cmd>'
+    subprocess.run(["dvc", "init", "--no-scm", "-q"], cwd=repo, env=env, check=True, timeout=120)
+    dvc = subprocess.Popen(["dvc", "repro"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    ckpt = setup / f"ckpt-{name}" / "repeat1" / "last.pt"
+    deadline = time.time() + 300
+    while not ckpt.exists():  # the first epoch's checkpoint
+        assert dvc.poll() is None and time.time() < deadline
+        time.sleep(0.02)
+    stage = next(p for p in psutil.Process(dvc.pid).children(recursive=True) if "train.py" in " ".join(p.cmdline()))
+    time.sleep(0.1)  # into the second epoch
+    signalled = time.time()
+    dvc.send_signal(signal.SIGTERM)
+    dvc.wait(60)
+    stage.wait(120)
+    assert not (setup / name / "metrics.json").exists()  # stopped, not trained to the end orphaned
+    assert ckpt.stat().st_mtime > signalled  # saved at the stop
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert (state["epoch"], state["step_in_epoch"]) > (1, 0) and state["epoch"] < 4

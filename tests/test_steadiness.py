@@ -40,7 +40,7 @@ def _run(name: str, prec: str, ms: list[float], imgs_per_s: float, repeats: list
 
 def _paired(ratios: list[float]) -> dict:
     return {"enabled": True, "device": "cuda", "batch": 256, "rounds": len(ratios), "steps": 5,
-            "order": "rotated each round", "claim_rounds": 6, "margin": 0.02, "not_made": {}, "baseline": "fp32",
+            "order": "rotated each round", "claim_rounds": 8, "margin": 0.02, "not_made": {}, "baseline": "fp32",
             "vs_fp32": {"amp": {"median": sorted(ratios)[len(ratios) // 2], "lo": min(ratios), "hi": max(ratios),
                                 "rounds": ratios, "claim": paired.claim(ratios), "precision": "fp16"}}}
 
@@ -56,22 +56,22 @@ def test_the_verdict_claims_a_speedup_from_repeats_or_the_paired_check_never_fro
     one = _verdict(runs)
     assert "ran 2.00x faster than strict FP32 (95% CI 2.00 to 2.00 within one run): one run each, not enough" in one
     assert "trained" not in one and "faster than FP32" not in one  # measured, not claimed
-    claimed = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05, 2.0]))
-    assert "amp (FP16-AMP) trained 2.00x faster than strict FP32 in the paired check (6 rounds" in claimed
+    claimed = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05, 2.0, 1.98, 2.02]))
+    assert "amp (FP16-AMP) trained 2.00x faster than strict FP32 in the paired check (8 rounds" in claimed
     assert "its stage ran 2.00x faster" in claimed and "disagree" not in claimed
     s = summary.summarize({**runs, "tf32": _run("tf32", "tf32", fp32, 1000.0)},
-                          paired_json=_paired([1.9, 2.0, 2.1, 1.95, 2.05, 2.0]))
+                          paired_json=_paired([1.9, 2.0, 2.1, 1.95, 2.05, 2.0, 1.98, 2.02]))
     ladder = verdict.ladder_sentence(s, {"gpu": {"name": "x"}})
     assert "amp (fp16) 2.00x faster than strict fp32 (paired check: 2.00x faster)" in ladder
-    few = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05]))
-    assert "was no faster than FP32 in the paired check" in few and "6 rounds agreeing are needed" in few
+    few = _verdict(runs, _paired([1.9, 2.0, 2.1, 1.95, 2.05, 2.0]))  # 6 rounds, all agreeing: 3% by chance
+    assert "was no faster than FP32 in the paired check" in few and "8 rounds agreeing are needed" in few
     mixed = _verdict(runs, _paired([0.9, 1.1, 1.0, 1.05, 0.95, 1.0]))
     assert "was no faster than FP32 in the paired check (1.00x" in mixed
     # the busy machine: fp16 emulated on a CPU, its stage 6.4x fp32's because fp32's stage ran while another tenant
     # loaded the machine; the paired check, timed in turns, says 0.1x
     busy = {"fp32": _run("fp32", "fp32", [100.0] * 15 + [640.0] * 15, 100.0), "amp": _run("amp", "fp16", amp, 640.0)}
-    said = _verdict(busy, _paired([0.09, 0.1, 0.11, 0.1, 0.1, 0.1]))
-    assert said.startswith("On NVIDIA H100, amp (FP16-AMP) was 10.00x slower than FP32 in the paired check (6 rounds")
+    said = _verdict(busy, _paired([0.09, 0.1, 0.11, 0.1, 0.1, 0.1, 0.1, 0.1]))
+    assert said.startswith("On NVIDIA H100, amp (FP16-AMP) was 10.00x slower than FP32 in the paired check (8 rounds")
     assert "The two disagree: trust the paired check" in said
     assert "The machine was not steady while these ran (`fp32`: its step times spread" in said
     assert "no speedup is claimed from their stages" in said
@@ -110,7 +110,7 @@ def test_the_paired_check_is_not_fooled_by_a_machine_that_slows_down(tmp_path, m
     monkeypatch.setattr(step, "train_step", slowing_recorded)
     cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "seed": 0,
                             "train": {"batch_size": 8, "augment": False},
-                            "paired": {"rounds": 6, "steps": 2},
+                            "paired": {"rounds": 6, "steps": 2, "window_s": 0},
                             "variants": {"fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"}}})
     found = paired.run_paired(cfg, prepared, torch.device("cpu"))
     got = found["vs_fp32"]["tf32"]
@@ -160,3 +160,50 @@ def test_a_paired_check_that_fails_is_said_and_the_stage_still_writes_its_file(t
     assert found["enabled"] and found["error"].startswith("RuntimeError: failed on purpose")
     lines = sections.steadiness({"variants": {}, "paired": found}, {}, {})
     assert any(line.startswith("The paired check could not be made (RuntimeError") for line in lines)
+
+
+def test_paired_windows_are_sized_by_time_and_a_pair_of_the_same_arithmetic_claims_nothing(monkeypatch):
+    """Each variant's windows hold paired.window_s seconds of its steps (at least paired.steps), sized once from a
+    calibration window; tf32 on a CPU is fp32's arithmetic, so however its rounds fall the report claims nothing."""
+    step_s = {"fp32": 0.005, "tf32": 0.0045, "fp16": 0.1}  # tf32 "faster" in every round: the rule would claim it
+    timed: dict[str, list[int]] = {p: [] for p in step_s}
+
+    class Clock:
+        def __init__(self, rate):
+            self.rate = rate
+
+        def imgs_per_s(self):
+            return self.rate
+
+    class FakeBench:
+        multiple = 1
+
+        def __init__(self, cfg, data, device, precision, plan):
+            self.plan, self.precision = plan, precision
+
+        def batches(self, batch):
+            return None
+
+        def run(self, batch, n, feed, warmup):
+            timed[self.precision].append(n)
+            return Clock(batch / step_s[self.precision])
+
+    monkeypatch.setattr(paired, "Bench", FakeBench)
+    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "train": {"batch_size": 8},
+                            "paired": {"rounds": 8, "steps": 20, "window_s": 0.2},
+                            "variants": {"fp32": {"precision": "fp32"}, "tf32": {"precision": "tf32"},
+                                         "amp": {"precision": "fp16"}}})
+    found = paired.run_paired(cfg, {"meta": {}}, torch.device("cpu"))
+    assert found["steps"] == {"fp32": 40, "tf32": 45, "amp": 20}  # 0.2 s of each; fp16's 0.1 s steps: 20 at least
+    assert timed["fp32"] == [1, paired.CALIBRATE] + [40] * 8 and timed["fp16"][2:] == [20] * 8
+    tf32 = found["vs_fp32"]["tf32"]
+    assert tf32["claim"] == "faster" and tf32["same_arithmetic"] and "same_arithmetic" not in found["vs_fp32"]["amp"]
+    runs = {"fp32": _run("fp32", "fp32", [100.0] * 30, 1000.0), "tf32": _run("tf32", "tf32", [100.0] * 30, 1000.0)}
+    said = summary.summarize(runs, paired_json=found)
+    text = verdict.verdict(said, {"gpu": None})
+    assert "tf32 (TF32) runs the same arithmetic as strict FP32 on this device" in text and "trained" not in text
+    from ampbench.report import glance, sections
+    assert glance.claim("tf32", said)[2] is None
+    assert any(line.startswith("| tf32 |") and "| same arithmetic |" in line for line in glance.table(said))
+    assert any("none: the same arithmetic as fp32 here" in line for line in sections.steadiness(said, {}, runs))
+    assert paired.window_steps(0.0, 20, 0.2) == 20 and paired.window_steps(0.003, 5, 0.2) == 67

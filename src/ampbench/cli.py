@@ -98,14 +98,14 @@ def mlflow_ui(args) -> None:
     if uri.startswith(("http://", "https://")):  # a tracking server already serves its own UI
         print(f"open {tracking.ui_url(config.redact(uri), exp_id)}")
         return
-    base = f"http://{args.host}:{args.port}"
+    told, base = server.base_urls("http", args.host, args.port)
     pipeline = tracking.latest_pipeline(uri, exp_id) if exp_id else None
-    print(f"MLflow UI for {config.redact(uri)}: starting on {base} ...", flush=True)
+    print(f"MLflow UI for {config.redact(uri)}: starting on {told} ...", flush=True)
     # the store's URI (a database's may hold its password) in MLflow's own variable: no command line shows it
     server.run([sys.executable, "-m", "mlflow", "ui", "--host", args.host, "--port", str(args.port),
                 "--uvicorn-opts", server.GRACE_OPTS],
                {**tracking.server_env(), server.STORE_ENV: uri}, base, args.wait, "MLflow UI",
-               f"open {tracking.ui_url(base, exp_id)}\n"
+               f"open {tracking.ui_url(told, exp_id)}\n"
                f"  the runs table: search tags.`ampbench.pipeline` = '{pipeline or '<id>'}' for one pipeline's runs, "
                "tick them and press Compare, or click the chart icon for every metric side by side\n"
                "  Ctrl-C stops it")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import sys
 from collections.abc import Callable
 
@@ -27,10 +28,36 @@ ANALYSES = {  # name -> what the warning calls it
     "paired": "the paired check"}
 
 
+QUOTE_MAX = 120  # characters of a quoted value an error line shows: a line's worth, not a 10 MB value
+
+# a quoted string literal, as repr writes one: '...' or "...", escapes included, its quotes not a word's apostrophe
+_QUOTED = re.compile("|".join(q % QUOTE_MAX for q in (r"(?<![\w'\"])'(?:[^'\\\n]|\\.){%d,}'(?!\w)",
+                                                         r'(?<![\w\'"])"(?:[^"\\\n]|\\.){%d,}"(?!\w)')))
+
+
+def _shorten(match: re.Match) -> str:
+    text = match.group(0)
+    return f"{text[:QUOTE_MAX - 20]}...{text[0]} ({len(text) - 2:,} characters)"
+
+
 class AmpbenchError(Exception):
-    """Base for errors whose message is written for the user."""
+    """Base for errors whose message is written for the user; a value quoted in it longer than ``QUOTE_MAX`` is
+    shortened to its start and its length, so a refusal stays a line whatever the user handed over."""
 
     exit_code = 1
+
+    def __init__(self, *args):
+        super().__init__(*(_QUOTED.sub(_shorten, a) if isinstance(a, str) and len(a) > QUOTE_MAX else a
+                           for a in args))
+
+
+class Aborted(KeyboardInterrupt):
+    """A second SIGTERM while a stop was under way: abort at once, as a second Ctrl-C does, with exit code 128 + the
+    signal (143), not Ctrl-C's 130."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = int(signum)
 
 
 class NotTheAnalysis(Exception):  # noqa: N818  a reason, not an error of the analysis
@@ -73,12 +100,40 @@ class NonFiniteTraining(AmpbenchError):
 RANK_ERRORS_ENV = "AMPBENCH_RANK_ERRORS"  # a folder where each rank under torchrun leaves the message it stopped with
 
 
+_PARENT: list[int] = []  # the process that started this one, as it was at the start
+
+
+def stop_with_parent() -> None:
+    """SIGTERM to this process when the process that started it dies (Linux's PR_SET_PDEATHSIG), even by SIGKILL,
+    which no handler sees. DVC runs a stage with Popen and forwards it no signal: behind ``docker stop``'s SIGTERM
+    (tini or a shell as PID 1 passes it to DVC, which dies of it) the stage would train on, orphaned, until the
+    container's SIGKILL. It hears its parent's death as a scheduler's SIGTERM instead: the train stage stops at a
+    step boundary with a checkpoint."""
+    _PARENT[:] = [os.getppid()]
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def quiet_if_orphaned() -> None:
+    """Where the parent that read this process's output has died (its pipes have no reader: the next write would
+    raise BrokenPipeError mid-stop), send stdout and stderr to /dev/null; otherwise nothing."""
+    if _PARENT and os.getppid() != _PARENT[0]:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in (1, 2):
+            os.dup2(devnull, fd)
+        os.close(devnull)
+
+
 def run_cli(main: Callable[[], None]) -> None:
     """Run a stage's ``main``; turn a user-facing error into one line and an exit code.
 
-    Whatever the outcome, the objects alive at the end are frozen (``gc.freeze``): the interpreter's last collection
-    then skips the millions that torch, dynamo and MLflow leave, which took about 2 s at each stage's exit, once the
-    stage's files are written and closed."""
+    A stage DVC runs stops with DVC (``stop_with_parent``). Whatever the outcome, the objects alive at the end are
+    frozen (``gc.freeze``): the interpreter's last collection then skips the millions that torch, dynamo and MLflow
+    leave, which took about 2 s at each stage's exit, once the stage's files are written and closed."""
+    if os.environ.get("DVC_STAGE"):  # a stage DVC runs (DVC sets it): not a server a user started with nohup
+        stop_with_parent()
     try:
         main()
     except AmpbenchError as err:
@@ -91,11 +146,20 @@ def run_cli(main: Callable[[], None]) -> None:
             with open(os.path.join(said, f"rank{os.environ.get('RANK', '0')}"), "w") as f:
                 f.write(f"{err.exit_code}\n{rank}{err}")
         sys.exit(err.exit_code)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as err:
+        signum = getattr(err, "signum", 2)  # Ctrl-C: SIGINT
+        print("interrupted" if signum == 2 else f"aborted by a second {_signal_name(signum)}", file=sys.stderr)
+        sys.exit(128 + signum)
     finally:
         gc.freeze()
+
+
+def _signal_name(signum: int) -> str:
+    import signal
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def first_line(err: BaseException) -> str:

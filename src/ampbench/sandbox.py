@@ -77,8 +77,36 @@ def create(dest: Path, params: dict, source: Path = REPO_ROOT) -> Path:
                                               "[plots]\n    html_template = plots.html\n")
     shutil.copytree(source / ".dvc" / "plots", dest / ".dvc" / "plots", dirs_exist_ok=True)  # plot templates
     _plots_page(source / ".dvc" / "plots.html", dest / ".dvc" / "plots.html")
+    _untrack_cached_outs(dest)
     commit(dest, "ampbench pipeline")  # so that `dvc exp run` works there
     return dest
+
+
+def cached_outs(dvc_yaml: Path) -> list[str]:
+    """The outputs ``dvc_yaml`` has DVC cache (and git ignore): every out not marked ``cache: false``."""
+    found = []
+    for stage in (yaml.safe_load(Path(dvc_yaml).read_text()) or {}).get("stages", {}).values():
+        for out in stage.get("outs") or ():
+            path, opts = next(iter(out.items())) if isinstance(out, dict) else (out, None)
+            if (opts or {}).get("cache", True):
+                found.append(path)
+    return found
+
+
+def _untrack_cached_outs(dest: Path) -> None:
+    """A sandbox made by an older ampbench may have committed a file this pipeline now caches with DVC (the report's
+    page): DVC refuses to write an output git tracks, so it leaves git's index (the file stays on disk) and is
+    ignored as DVC ignores its outputs (``/name`` in its folder's .gitignore)."""
+    outs = cached_outs(dest / "dvc.yaml")
+    if not outs:
+        return
+    _run(["git", "rm", "-r", "-q", "--cached", "--ignore-unmatch", "--", *outs], dest)
+    for out in outs:
+        ignore = (dest / out).parent / ".gitignore"
+        lines = ignore.read_text().splitlines() if ignore.is_file() else []
+        if f"/{Path(out).name}" not in lines:
+            ignore.parent.mkdir(parents=True, exist_ok=True)
+            ignore.write_text("".join(f"{line}\n" for line in [*lines, f"/{Path(out).name}"]))
 
 
 def _plots_page(src: Path, dst: Path) -> None:

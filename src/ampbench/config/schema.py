@@ -120,8 +120,9 @@ class SweepConfig:
 class PairedConfig:
     enabled: bool = True          # time the variants in turns in one process (A B C, C A B, ...): a drift between
     # the train stages cannot fake a speedup there; the verdict claims one from it when train.repeats is 1
-    rounds: int = _opt(6, lo=1)   # turns per variant; 6 or more for a claim (every round must agree: a sign test)
-    steps: int = _opt(5, lo=1)    # timed optimizer steps per turn, at train.batch_size, after two untimed ones
+    rounds: int = _opt(8, lo=1)   # turns per variant; 8 or more for a claim (every round must agree: a sign test)
+    steps: int = _opt(20, lo=1)   # at least this many timed optimizer steps per turn, at train.batch_size
+    window_s: float = _opt(0.2, lo=0.0)  # and at least this many seconds of them (sized once per variant)
 
 
 @dataclass(frozen=True)

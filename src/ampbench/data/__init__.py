@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,6 +31,7 @@ from ampbench.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from ampbench.data.synthetic import splits as synthetic_splits
 from ampbench.data.synthetic import synthetic
 from ampbench.errors import DataError
+from ampbench.modes import plain_mode
 
 __all__ = ["ARCHIVE_NAME", "FILE_LIST", "describe", "load_prepared",
            "prepare", "record", "resident_bytes", "synthetic", "synthetic_in_memory", "synthetic_splits"]
@@ -126,9 +126,7 @@ def _write(out_dir: Path, meta: dict, files: dict) -> dict:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # a plain mkdir's mode: mkdtemp's 0700 would hide the set from a team's other users
+        tmp.chmod(plain_mode(folder=True))  # a plain mkdir's mode: mkdtemp's 0700 would hide the set from others
         tmp.rename(out_dir)
     finally:
         if tmp.exists():

@@ -124,10 +124,13 @@ class SystemMonitor:
     """``with SystemMonitor(interval_s, gpu_uuid) as mon: ...``; then ``mon.rows`` (at most ``MAX_ROWS``, spread
     over the whole run) and ``mon.samples`` (the summarized readings of every sample, 8 bytes each)."""
 
+    JOIN_S = 5.0  # how long the stage waits for the sampler at the end (an NVML call can hang)
+
     def __init__(self, interval_s: float = 0.5, gpu_uuid: str | None = None):
         self.interval_s, self.gpu_uuid, self.rows = interval_s, gpu_uuid, []
         self.samples = {k: array("d") for k in (*SUMMARIZED, "timed")}
         self._taken, self._every = 0, 1  # samples so far; one row kept every this many
+        self._lock, self._closed = threading.Lock(), False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ampbench-sysmon", daemon=True)
 
@@ -148,7 +151,13 @@ class SystemMonitor:
             self.add(row)
 
     def add(self, row: dict) -> None:
-        """One sample: its summarized readings always, the row itself when it falls on the kept rows' stride."""
+        """One sample: its summarized readings always, the row itself when it falls on the kept rows' stride;
+        none once the series were taken (``snapshot``)."""
+        with self._lock:
+            if not self._closed:
+                self._add(row)
+
+    def _add(self, row: dict) -> None:
         for k in SUMMARIZED:
             v = row.get(k)
             self.samples[k].append(math.nan if v is None else float(v))
@@ -166,4 +175,12 @@ class SystemMonitor:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=self.JOIN_S)
+
+    def snapshot(self) -> tuple[list[dict], dict]:
+        """The kept rows and every sample's readings, copied together under the lock, and no sample added after:
+        a sampler that outlived its join (an NVML call that hangs) can no longer grow one series and not
+        another while the stage summarizes them."""
+        with self._lock:
+            self._closed = True
+            return list(self.rows), {k: array("d", v) for k, v in self.samples.items()}

@@ -13,6 +13,7 @@ statistics stay those of the weights, as fine-tuning recipes keep them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import socket
 import sys
@@ -95,7 +96,10 @@ def _fetch(cfg: ModelConfig, weights) -> Path:
     socket.setdefaulttimeout(DOWNLOAD_TIMEOUT_S)
     try:
         print(f"model: downloading {weights} from {weights.url} to {path}", file=sys.stderr, flush=True)
-        torch.hub.download_url_to_file(weights.url, str(path), progress=True)
+        # the digest's start its file name carries (resnet18-f37072fd.pth), checked as torch hub checks it
+        named = torch.hub.HASH_REGEX.search(path.name)
+        torch.hub.download_url_to_file(weights.url, str(path), hash_prefix=named.group(1) if named else None,
+                                       progress=True)
     except Exception as err:
         path.unlink(missing_ok=True)
         raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r}: {weights} is not in torch hub's cache and "
@@ -209,6 +213,23 @@ def _names(keys: list[str]) -> str:
     return ", ".join(keys[:4]) + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
 
 
+@contextlib.contextmanager
+def _weights_only_loads():
+    """torchvision's weights read with ``weights_only=True``, tensors and nothing a pickle could run: its builders
+    load them with torch hub's default, a full unpickle of whatever file sits in the cache."""
+    from torchvision.models import _api
+    real = _api.load_state_dict_from_url
+
+    def load(url, *args, **kwargs):
+        return real(url, *args, **{**kwargs, "weights_only": True})
+
+    _api.load_state_dict_from_url = load
+    try:
+        yield
+    finally:
+        _api.load_state_dict_from_url = real
+
+
 def build_tv(cfg: ModelConfig, tv_name: str, num_classes: int, image_size: int, extra: dict,
              said: list[str]) -> nn.Module:
     """A ``tv:`` model with torchvision's weights ``model.weights``, built as torchvision builds it for them (at
@@ -220,8 +241,9 @@ def build_tv(cfg: ModelConfig, tv_name: str, num_classes: int, image_size: int, 
     # torchvision sets what its weights need (GoogLeNet's input transform, its aux heads then dropped)
     extra = {k: v for k, v in extra.items() if k != "init_weights"}
     try:
-        model = torchvision.models.get_model(tv_name, weights=weights, **extra)
-    except Exception as err:  # torchvision checks a file's hash only when it downloads it
+        with _weights_only_loads():
+            model = torchvision.models.get_model(tv_name, weights=weights, **extra)
+    except Exception as err:  # a file placed in the cache by hand: checked by nobody's hash
         raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r}: {cached_file(weights)} does not load as "
                           f"{weights} ({first_line(err)}); delete it to download it again, or place the right "
                           "file there") from None

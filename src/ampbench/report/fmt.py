@@ -122,3 +122,19 @@ def not_made(summary: dict, *analyses: str) -> list[str]:
     lines = [f"{ANALYSES[a][0].upper()}{ANALYSES[a][1:]} could not be made for `{n}`: {why}."
              for a in analyses for n, r in summary["variants"].items() if (why := (r.get("not_made") or {}).get(a))]
     return lines + [""] if lines else []
+
+
+def windows(paired: dict) -> str:
+    """The paired check's windows: sized by time per variant (``steps`` a dict), or a fixed step count."""
+    steps = paired.get("steps")
+    if not isinstance(steps, dict):
+        return f"{steps} optimizer steps"
+    each = ", ".join(f"`{n}` {k}" for n, k in steps.items())
+    return (f"at least {paired.get('window_s', 0):g} s and {paired.get('min_steps', 1)} optimizer steps "
+            f"({each} steps)")
+
+
+def same_arithmetic(row: dict) -> bool:
+    """The paired check found the variant computing strict FP32's very arithmetic on this device (tf32 on a CPU):
+    its ratio is noise, not a speed difference."""
+    return bool((row.get("paired") or {}).get("same_arithmetic"))

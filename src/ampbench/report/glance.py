@@ -27,10 +27,12 @@ def claim(name: str, summary: dict) -> tuple[float | None, str, str | None]:
     both = (r.get("paired_compiled") or {}).get("fp32")
     p = both or r.get("paired")
     if p:
-        need = (summary.get("paired") or {}).get("claim_rounds", 6)
+        need = (summary.get("paired") or {}).get("claim_rounds", 8)
         rounds = len(p["rounds"])
         how = "both compiled, " if both else ""
         where = f"paired check, {how}{rounds} round{'s' * (rounds != 1)}"
+        if p.get("same_arithmetic"):  # tf32 where there is no TF32: the ratio is the check's own noise
+            return p["median"], where + "; the same arithmetic as FP32 here", None
         if rounds < need:
             where += f"; {need} needed for a claim"
         return p["median"], where, p.get("claim")
@@ -102,7 +104,9 @@ def _fit(head: str, parts: list[str]) -> str:
 def _speed_bullet(summary: dict, name: str) -> str:
     ratio, where, _ = claim(name, summary)
     head = f"**Speed**: `{name}` {versus(ratio)} ({where})."
-    others = [f"`{n}` {speed(claim(n, summary)[0])}" for n, o in summary["variants"].items()
+    others = [f"`{n}` " + ("the same arithmetic as FP32 here" if fmt.same_arithmetic(o)
+                           else speed(claim(n, summary)[0]))
+              for n, o in summary["variants"].items()
               if n not in (name, summary["baseline"]) and o.get("speedup") is not None]
     return _fit(head + " Others:", others) if others else head
 
@@ -202,7 +206,8 @@ def next_step(summary: dict, env: dict) -> str:
     if unsteady(summary, *summary["variants"]) and not where.startswith("paired"):  # drift cannot fake a pairing
         return "**Next**: rerun on a quiet machine (`dvc repro -f`); an unsteady stage's ratio claims nothing."
     if said is None:
-        return "**Next**: set `paired.rounds: 6` (or `train.repeats: 3`) and run `dvc repro` for a claim."
+        need = (summary.get("paired") or {}).get("claim_rounds", 8)
+        return f"**Next**: set `paired.rounds: {need}` (or `train.repeats: 3`) and run `dvc repro` for a claim."
     if said == "faster":
         return (f"**Next**: train with `precision: {r['precision']}`; check its accuracy at your full schedule "
                 "(time to accuracy below).")
@@ -217,9 +222,10 @@ def table(summary: dict) -> list[str]:
     for name, r in summary["variants"].items():
         base = name == summary["baseline"]
         paired = (r.get("paired") or {}).get("median")
+        paired = "same arithmetic" if fmt.same_arithmetic(r) else speed(paired)
         acc = fmt.num(r.get("final_acc"), ".2%") + ("" if base else f" ({fmt.points(r.get('acc_diff'))})")
         lines.append(f"| {fmt.named(name, r)} | {fmt.num(r.get('imgs_per_s'), ',.0f')} "
-                     f"| {'baseline' if base else speed(r.get('speedup'))} | {'-' if base else speed(paired)} "
+                     f"| {'baseline' if base else speed(r.get('speedup'))} | {'-' if base else paired} "
                      f"| {speed(r.get('vs_tf32')) if r.get('vs_tf32') is not None else '-'} "
                      f"| {'-' if base else fmt.change(r.get('mem_ratio'))} "
                      f"| {acc} |")

@@ -21,6 +21,7 @@ from ampbench.report.scale import scaling, sweep
 from ampbench.report.summary import profile_categories
 from ampbench.report.verdict import items, why
 
+SAME = "none: the same arithmetic as fp32 here"  # a paired claim where there is no TF32 hardware
 
 # The article's own measurement (ResNet-18, CIFAR-10, batch 256, CUDA 12.1, "NVIDIA 5090 (24GB)"): quoted, not ours.
 def model_line(m: dict) -> str:
@@ -305,8 +306,9 @@ def steadiness(summary: dict, env: dict, runs: dict) -> list[str]:
         return lines + ["No paired check ran (paired.enabled: false).", ""]
     if p.get("error"):
         return lines + [f"The paired check could not be made ({p['error']}).", ""]
-    lines += [f"The paired check: each one-process variant without accumulation timed for {p['steps']} optimizer "
-              f"steps at batch {p['batch']} as its train stage runs it, in turns in one process ({p['order']}), "
+    lines += [f"The paired check: each one-process variant without accumulation timed in windows of "
+              f"{fmt.windows(p)} at batch {p['batch']} as its train stage runs it, in turns in one process "
+              f"({p['order']}), "
               f"{p['rounds']} rounds; each round's ratio is to `{p['baseline']}`'s window of the same round, so a "
               f"drift lands on every variant alike. A variant is called faster (slower) only when all of at least "
               f"{p['claim_rounds']} rounds say so by more than {p['margin']:.0%} (a two-sided sign test: "
@@ -318,7 +320,8 @@ def steadiness(summary: dict, env: dict, runs: dict) -> list[str]:
         if got:
             lines.append(f"| {name} | {fmt.precision(r)} | {fmt.times(got['median'])} | "
                          + ", ".join(fmt.ratio(x) for x in got["rounds"])
-                         + f" | {got.get('claim') or 'none'} | {fmt.times(r.get('speedup'))} |")
+                         + f" | {SAME if got.get('same_arithmetic') else got.get('claim') or 'none'}"
+                         f" | {fmt.times(r.get('speedup'))} |")
     compiled = [(n, r["paired_compiled"]) for n, r in rows.items() if r.get("paired_compiled")]
     if compiled:
         lines += ["", f"Both compiled: {', '.join(f'`{n}`' for n, _ in compiled)} compiles (torch.compile) and the "

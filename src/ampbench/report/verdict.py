@@ -87,9 +87,12 @@ def _claim(c: dict, summary: dict, how: str = "") -> str:
     rounds = f"{len(c['rounds'])} rounds in turns in one process, from {fmt.ratio(c['lo'])} to {fmt.ratio(c['hi'])}"
     said = {"faster": f"trained {fmt.times(c['median'])} faster than strict FP32{how} in the paired check ({rounds})",
             "slower": f"was {fmt.faster(c['median'])} than FP32{how} in the paired check ({rounds})"}
-    said = said.get(c.get("claim"))
+    said = None if c.get("same_arithmetic") else said.get(c.get("claim"))
+    if c.get("same_arithmetic"):
+        said = (f"runs the same arithmetic as strict FP32{how} on this device (no TF32 tensor cores), so its paired "
+                f"ratio ({fmt.times(c['median'])}, {rounds}) is the check's own noise, not a speed difference")
     if said is None:
-        need = summary["paired"].get("claim_rounds", 6)
+        need = summary["paired"].get("claim_rounds", 8)
         said = (f"was no faster than {'strict ' if how else ''}FP32{how} in the paired check "
                 f"({fmt.times(c['median'])}, {rounds}"
                 + ("" if len(c["rounds"]) >= need else f"; {need} rounds agreeing are needed to call it faster "
@@ -256,7 +259,8 @@ def ladder_sentence(summary: dict, env: dict) -> str:
             continue
         against = f", {fmt.faster(r['vs_tf32'])} than TF32" if r.get("vs_tf32") is not None else ""
         label = fmt.named(name, r)
-        paired = f" (paired check: {fmt.faster(r['paired']['median'])})" if r.get("paired") else ""
+        paired = (f" (paired check: {fmt.faster(r['paired']['median'])}"
+                  f"{', the same arithmetic here' if fmt.same_arithmetic(r) else ''})" if r.get("paired") else "")
         parts.append(f"{label} {fmt.faster(r['speedup'])} than strict fp32{paired}{against}")
     if not parts:
         return ""

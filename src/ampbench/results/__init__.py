@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampbench.measure.sysmon import COLUMNS as SYSTEM_COLUMNS
+from ampbench.modes import plain_mode, process_umask  # noqa: F401  where every writer here reads them
 from ampbench.results.schema import Env, Metrics  # noqa: F401  the files' schema
 
 PACKAGE = Path(__file__).resolve().parent.parent  # src/ampbench
@@ -40,14 +41,6 @@ MODEL = "model.pt"  # the final weights (a state dict, with what rebuilds the mo
 # The sweep's sweep.csv (reports/sweep/), one row per point, for dvc plots
 SWEEP_COLUMNS = ["variant", "batch_size", "imgs_per_s", "imgs_per_s_p10", "imgs_per_s_p90", "peak_mem_bytes",
                  "peak_reserved_bytes", "activation_bytes", "achieved_tflops", "oom"]
-
-
-def plain_mode(folder: bool = False) -> int:
-    """The mode a plain ``open`` (or ``mkdir``) gives under this process's umask: what a team's other users read
-    (mkstemp's own 0600, and mkdtemp's 0700, would hide the file from them)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return (0o777 if folder else 0o666) & ~umask
 
 
 def fsync_folder(folder: Path) -> None:

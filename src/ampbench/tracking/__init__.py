@@ -50,6 +50,7 @@ from ampbench.tracking.runkeys import (  # noqa: E402, F401  the run key's rules
     _runs_of,
     _store_failures_pass,
     complete_run,
+    is_whole,
     transient,
 )
 
@@ -139,6 +140,8 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     if whole is not None:
         return whole, False
     for partial in _runs_of(client, exp_id, key):  # a failure mid-logging left these: they are replaced
+        if is_whole(partial, key, status):  # another writer of the same results completed it since the look above
+            return partial.info.run_id, False
         _delete(client, exp_id, partial.info.run_id)
     # no password reaches the store (a URI in a command line, say): redacted as every printed line is
     tags = {**{k: redact_text(str(v)) for k, v in tags.items() if v is not None}, PENDING_TAG: key}
@@ -180,10 +183,17 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
             client.set_terminated(rid, "FAILED")
         raise
     kept = complete_run(client, exp_id, key, status)  # another writer of the same results may have finished too
+    if kept is None:  # this run was retired under it (another writer took it for a partial one), and no other is
+        raise RunRemoved(f"the run of {run_name} was removed while it was logged (by another writer of the same "
+                         "results?); nothing of it is kept")
     if kept != rid:
         _delete(client, exp_id, rid)
         return kept, False
     return rid, True
+
+
+class RunRemoved(RuntimeError):
+    """A run removed by another writer while this one logged it: the log did not take; a later sync logs it."""
 
 
 JOBS_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"

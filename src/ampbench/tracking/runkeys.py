@@ -48,13 +48,18 @@ def _runs_of(client: MlflowClient, exp_id: str, key: str) -> list:
     return list(found.values())
 
 
+def is_whole(run, key: str, status: str | None = None) -> bool:
+    """``run`` is a whole run of ``key``: its key set (last), its status the one it was to end with, not retired."""
+    return (run.data.tags.get(KEY_TAG) == key and RETIRED_TAG not in run.data.tags
+            and (run.info.status == status or (status is None and run.info.status in ("FINISHED", "FAILED"))))
+
+
 def complete_run(client: MlflowClient, exp_id: str, key: str, status: str | None = None) -> str | None:
     """The id of the whole run of ``key``: its key set (last) and its status the one it was to end with
     (``status``; FINISHED or FAILED as the stage said, when not given); of several (two writers), the first
     made. None when there is none."""
     runs = [r for r in client.search_runs([exp_id], filter_string=f"tags.`{KEY_TAG}` = '{key}'", max_results=100)
-            if (r.info.status == status or (status is None and r.info.status in ("FINISHED", "FAILED")))
-            and RETIRED_TAG not in r.data.tags]
+            if is_whole(r, key, status)]
     if not runs:
         return None
     first = min(runs, key=lambda r: (r.info.start_time or 0, r.info.run_id))

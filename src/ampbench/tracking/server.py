@@ -21,20 +21,33 @@ import time
 from pathlib import Path
 
 from ampbench.config import redact
-from ampbench.errors import ConfigError
+from ampbench.errors import ConfigError, stop_with_parent
 
 STORE_ENV = "MLFLOW_BACKEND_STORE_URI"  # MLflow's own: `mlflow server` reads its --backend-store-uri from it
 AUTH_DB_ENV = "AMPBENCH_AUTH_DATABASE_URI"  # the basic-auth app's users and permissions, a database of its own
 PERMISSIONS = ("NO_PERMISSIONS", "READ", "EDIT", "MANAGE")
 GRACE_S = 3  # uvicorn's wait for open connections at a stop; without a limit it waits for keep-alive clients
 GRACE_OPTS = f"--timeout-graceful-shutdown {GRACE_S}"  # the --uvicorn-opts both servers start with
+LISTEN_ALL = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # an address that listens on every interface, and its loopback
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 literal in brackets (``http://[::1]:5000``; ``http://::1:5000`` is no
+    URL)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def base_urls(scheme: str, host: str, port: int) -> tuple[str, str]:
+    """The server's URL as told to users, and the one this machine probes (its loopback where it listens on
+    every interface)."""
+    return (f"{scheme}://{url_host(host)}:{port}", f"{scheme}://{url_host(LISTEN_ALL.get(host, host))}:{port}")
 
 
 def run(cmd: list[str], env: dict[str, str], probe: str, wait_s: float, what: str, ready: str) -> None:
     """Start a server (its own session; SIGTERM to it if this process dies, even by SIGKILL), print ``ready`` once
     ``probe``'s /health answers, and stop its whole process tree on Ctrl-C, SIGTERM (a process manager) or SIGHUP
     (the terminal closed)."""
-    server = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_stop_with_parent)
+    server = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=stop_with_parent)
     stop = _stopper(server, what)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, stop)
@@ -65,14 +78,6 @@ def _wait_until_up(server: subprocess.Popen, base: str, timeout: float) -> bool:
                 return True
         time.sleep(0.5)
     return False
-
-
-def _stop_with_parent() -> None:
-    """In the server's process before it runs (Linux): SIGTERM when this process dies, even by SIGKILL, which no
-    handler sees, so the server never outlives the command that started it (it stops its workers on SIGTERM)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _stopper(server: subprocess.Popen, what: str):
@@ -168,12 +173,12 @@ def team_server(args) -> None:
                      f" --ssl-keyfile {shlex.quote(str(Path(args.tls_key).resolve()))}")
         cmd += ["--uvicorn-opts", opts]
         scheme = "https" if all(tls) else "http"
-        local = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-        print(f"MLflow team server on {scheme}://{args.host}:{args.port}: basic-auth (accounts' default right "
+        told, local = base_urls(scheme, args.host, args.port)
+        print(f"MLflow team server on {told}: basic-auth (accounts' default right "
               f"{args.default_permission}){', TLS' if all(tls) else ''}, tracking database {redact(store)}; "
               "starting ...", flush=True)
-        run(cmd, env, f"{scheme}://{local}:{args.port}", args.wait, "MLflow team server",
-            f"serving {scheme}://{args.host}:{args.port}: add an account per person or machine with `ampbench "
+        run(cmd, env, local, args.wait, "MLflow team server",
+            f"serving {told}: add an account per person or machine with `ampbench "
             "team-user NAME`; each machine sets MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME, "
             "MLFLOW_TRACKING_PASSWORD" + (" and MLFLOW_TRACKING_SERVER_CERT_PATH (the CA that signed --tls-cert)"
                                           if all(tls) else "") + "\n  Ctrl-C stops it")

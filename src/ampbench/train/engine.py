@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import time
 
 import torch
@@ -251,6 +252,11 @@ class Trainer:
             tqdm.write(f"[{plan.variant}] epoch {epoch + 1}/{plan.train.epochs}: train loss {row['train_loss']:.4f}, "
                        f"eval acc {ev['acc']:.4f}, {ips}, {wall['s']:.1f}s, ETA {eta:.0f}s")
         return row
+
+    def agreed_signal(self) -> int:
+        """The signal a stop answers, the same on every rank (one collective, at a stop): a rank the vote stopped,
+        which saw no signal itself, exits as the rank that saw one (128 + its number), not with 128."""
+        return int(self.world.reduce([float(self.stop_signal)], "max")[0]) or signal.SIGINT
 
     def stop_now(self) -> bool:
         """Stop after this step (Ctrl-C, SIGTERM): at once in one process; under DDP once the ranks agree on it (within

@@ -39,6 +39,9 @@ def activation_bytes(model: torch.nn.Module, x: torch.Tensor, policy: PrecisionP
     """Bytes autograd saves for backward in one forward pass of ``x`` in training mode. The model's buffers
     (BatchNorm's running statistics) and mode are put back after it; no copy of the model is made (a weight MX
     training wraps cannot be deep-copied once it has run, and a copy would double the model's memory)."""
+    # the micro-batch as a tensor of its own: a view of a larger one (a chunk of batches, the batch it splits)
+    # saved for backward would count that whole storage as this pass's activations
+    x = x.clone()
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     was_training = model.training
     meter = memory.SavedTensorMeter(exclude=list(model.parameters()))

@@ -7,9 +7,12 @@ state after every epoch and on Ctrl-C, and resumes from it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +22,7 @@ from tqdm import tqdm
 
 from ampbench import runplan
 from ampbench.config import to_dict
-from ampbench.errors import AmpbenchError, NonFiniteTraining
+from ampbench.errors import Aborted, AmpbenchError, NonFiniteTraining, quiet_if_orphaned
 from ampbench.measure import stats
 from ampbench.runplan import RunPlan
 from ampbench.train import checkpoint, distributed, numerics, profiling
@@ -53,14 +56,19 @@ def stop_on_signal(trainer: Trainer):
         return
 
     def handler(signum, frame):
-        if trainer.stop_requested:
-            raise KeyboardInterrupt
+        quiet_if_orphaned()  # a SIGTERM for the parent's death (DVC's): nobody reads the pipes any more
+        if trainer.stop_requested:  # the second: at once, as the signal says (Ctrl-C 130, SIGTERM 143)
+            raise KeyboardInterrupt if signum == signal.SIGINT else Aborted(signum)
         trainer.stop_requested = True
         trainer.stop_signal = signum
         if trainer.world.main:
             when = "within the ranks' next two votes" if trainer.world.active else "after this step"
             name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-            tqdm.write(f"{name}: stopping {when} and saving a checkpoint (again to abort)")
+            # one write to the file descriptor: a print (or tqdm.write) here would re-enter the stdout buffer a
+            # signal may have interrupted mid-write ("reentrant call inside BufferedWriter")
+            with contextlib.suppress(OSError, ValueError):
+                os.write(sys.stdout.fileno(), f"\n{name}: stopping {when} and saving a checkpoint (again to "
+                                              "abort)\n".encode())
 
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
@@ -102,7 +110,7 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
                     saved = f"checkpoint saved in {checkpoint_dir}; run `dvc repro` to resume" if checkpoint_dir \
                         else "no checkpoint folder was given, so the run cannot resume"
                     raise TrainingInterrupted(f"[{plan.variant}] interrupted at {where}: {saved}",
-                                              getattr(trainer, "stop_signal", signal.SIGINT))
+                                              trainer.agreed_signal())
     except NonFiniteTraining as err:
         err.result = run_result(trainer)  # completed epochs, for the stage to keep on disk
         err.result.metrics.update(status="stopped: non-finite loss", diagnosis=trainer.diagnosis)
