@@ -56,9 +56,10 @@ def main() -> None:
         from ampbench import tracking
         pipeline = tracking.pipeline_id(Path(args.plans), Path(args.env))
         tracking.safely("report", tracking.log_report, cfg.mlflow, Path.cwd(), md, summary_path, fig_dir, info,
-                        pipeline, (started, built), Path(args.html), Path(args.metrics))
+                        pipeline, (started, built), Path(args.html), Path(args.metrics),
+                        results_of=(summary_path, md))
         tracking.safely("the ratios on the training runs", tracking.log_comparison, cfg.mlflow, Path.cwd(),
-                        summary_path, Path(args.runs))
+                        summary_path, Path(args.runs), results_of=(summary_path,))
         waiting = results.pending_line(config.project_root(Path.cwd()))
         if waiting:
             print(f"warning: {waiting}", flush=True)

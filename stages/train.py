@@ -115,7 +115,7 @@ def save(plan: runplan.RunPlan, result: metrics.RunResult, info: dict, out: Path
         from ampbench import tracking
         pipeline = tracking.pipeline_id(plans_dir, env_path)
         tracking.safely(f"train@{plan.variant}", tracking.log_variant, tracking_cfg, Path.cwd(), out,
-                        config.to_dict(plan), info, pipeline)
+                        config.to_dict(plan), info, pipeline, results_of=(out / results.METRICS,))
 
 
 if __name__ == "__main__":

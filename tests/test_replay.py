@@ -227,3 +227,35 @@ def test_a_run_retired_under_its_writer_is_a_failed_log_with_its_marker_not_alre
     assert "warning: MLflow logging of train@fp32 failed" in out and "removed while it was logged" in out
     assert "already logged" not in out
     assert results.pending_line(tracking.project_root(tmp_path)).startswith("1 result(s) are on disk but not in")
+
+
+def test_a_pending_mark_stands_for_its_results_so_another_s_log_does_not_clear_it(tmp_path, monkeypatch, capsys):
+    """A queued experiment (DVC_ROOT: the parent repository) fails to log its train@fp32; the workspace's own
+    train@fp32, other results, logs fine: the experiment's mark stays, named with its experiment, until those
+    results (applied to the workspace) are logged. A mark whose results are gone, from no experiment, is dropped by
+    the sync, saying so."""
+    cfg = config.MlflowConfig()
+    ws, exp = tmp_path / "runs" / "fp32" / "metrics.json", tmp_path / "exp" / "runs" / "fp32" / "metrics.json"
+    for path, text in ((ws, '{"imgs_per_s": 100}'), (exp, '{"imgs_per_s": 120}')):
+        path.parent.mkdir(parents=True)
+        path.write_text(text)
+
+    def down(c, root):
+        raise ConnectionError("the server is down")
+
+    monkeypatch.setenv("DVC_EXP_NAME", "bushy-tuba")
+    tracking.safely("train@fp32", down, cfg, tmp_path, results_of=(exp,))
+    monkeypatch.delenv("DVC_EXP_NAME")
+    tracking.safely("train@fp32", lambda c, root: ("r1", True), cfg, tmp_path, results_of=(ws,))
+    assert results.pending_line(tmp_path).startswith("1 result(s) are on disk but not in MLflow (train@fp32 of "
+                                                     "experiment bushy-tuba)")
+    ws.write_text(exp.read_text())  # `dvc exp apply bushy-tuba`, then `ampbench mlflow-sync`
+    tracking.safely("train@fp32", lambda c, root: ("r2", True), cfg, tmp_path, results_of=(ws,))
+    assert results.pending_line(tmp_path) is None
+    gone = tmp_path / "runs" / "bf16" / "metrics.json"  # a variant since removed from params.yaml
+    gone.parent.mkdir(parents=True)
+    gone.write_text("{}")
+    tracking.safely("train@bf16", down, cfg, tmp_path, results_of=(gone,))
+    gone.unlink()
+    assert results.drop_gone_pending(tmp_path) == [f"train@bf16 ({gone})"]
+    assert results.pending_line(tmp_path) is None

@@ -132,7 +132,9 @@ def run_cli(main: Callable[[], None]) -> None:
     A stage DVC runs stops with DVC (``stop_with_parent``). Whatever the outcome, the objects alive at the end are
     frozen (``gc.freeze``): the interpreter's last collection then skips the millions that torch, dynamo and MLflow
     leave, which took about 2 s at each stage's exit, once the stage's files are written and closed."""
-    if os.environ.get("DVC_STAGE"):  # a stage DVC runs (DVC sets it): not a server a user started with nohup
+    # a stage DVC runs (DVC sets DVC_STAGE): not a server a user started with nohup, nor a rank torchrun started
+    # (its launcher, the stage itself, hears DVC's death and stops its ranks as it stops them on any SIGTERM)
+    if os.environ.get("DVC_STAGE") and "TORCHELASTIC_RUN_ID" not in os.environ:
         stop_with_parent()
     try:
         main()

@@ -176,20 +176,63 @@ RUN_TEMPORARIES = (".model.", *(f".{name}." for name in (METRICS, STEP_TIMES, TR
 PENDING_DIR = Path(".ampbench") / "mlflow-pending"  # logs that failed, under the repository: no stage's DVC dependency
 
 
-def pending_marker(root: Path, what: str) -> Path:
-    """The marker a failed MLflow log of ``what`` leaves in the repository ``root`` until a log succeeds."""
-    return Path(root) / PENDING_DIR / (re.sub(r"[^\w@.-]+", "-", what) + ".txt")
+def pending_marker(root: Path, what: str, results_of: tuple[Path, ...] = ()) -> Path:
+    """The marker a failed MLflow log of ``what`` leaves in the repository ``root`` until a log of the same results
+    succeeds: named by the results (``results_of``: the bytes of the files that identify them, wherever they are),
+    not only the stage. A queued experiment's train@fp32 and the workspace's are two marks, and logging one clears
+    its own alone; the experiment's clears once its results, applied to the workspace, are logged."""
+    name = re.sub(r"[^\w@.-]+", "-", what)
+    if results_of:
+        h = hashlib.sha256()
+        for path in results_of:
+            h.update(Path(path).read_bytes() if Path(path).is_file() else b"")
+            h.update(b"\0")
+        name += "-" + h.hexdigest()[:12]
+    return Path(root) / PENDING_DIR / (name + ".txt")
+
+
+def write_pending(marker: Path, what: str, why: str, results_of: tuple[Path, ...] = ()) -> None:
+    """The marker's lines: what, why, where its results are, and the DVC experiment that made them (if one did)."""
+    lines = [what, why, "files: " + json.dumps([str(Path(p).resolve()) for p in results_of])]
+    if os.environ.get("DVC_EXP_NAME"):
+        lines.append(f"experiment: {os.environ['DVC_EXP_NAME']}")
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text("\n".join(lines) + "\n")
+
+
+def _pending(root: Path) -> list[tuple[Path, str, list[str], str]]:
+    """Every marker: (its file, what, its results' files, the experiment or "")."""
+    folder = Path(root) / PENDING_DIR
+    out = []
+    for f in sorted(folder.glob("*.txt")) if folder.is_dir() else []:
+        lines = f.read_text().splitlines()
+        files = next((json.loads(x[7:]) for x in lines if x.startswith("files: ")), [])
+        exp = next((x[12:] for x in lines if x.startswith("experiment: ")), "")
+        out.append((f, lines[0] if lines else f.stem, files, exp))
+    return out
 
 
 def pending_line(root: Path) -> str | None:
     """What is on disk but not in MLflow (the logs that failed, and no sync has done since), as env_check and the
     report stage say it; None when nothing is."""
-    folder = Path(root) / PENDING_DIR
-    waiting = sorted(f.read_text().partition("\n")[0] for f in folder.glob("*.txt")) if folder.is_dir() else []
+    marks = _pending(root)
+    waiting = [what + (f" of experiment {exp}" if exp else "") for _, what, _, exp in marks]
     if not waiting:
         return None
     return (f"{len(waiting)} result(s) are on disk but not in MLflow ({', '.join(waiting)}): log them with "
-            "`ampbench mlflow-sync`")
+            "`ampbench mlflow-sync`" + (" (an experiment's after `dvc exp apply`)" if any(m[3] for m in marks)
+                                        else ""))
+
+
+def drop_gone_pending(root: Path) -> list[str]:
+    """Remove the marks whose results are gone from disk and came from no DVC experiment (a variant since removed):
+    nothing is left to log. An experiment's stay: `dvc exp apply` brings its results back. Returns what went."""
+    gone = []
+    for f, what, files, exp in _pending(root):
+        if files and not exp and not any(Path(p).exists() for p in files):
+            f.unlink(missing_ok=True)
+            gone.append(f"{what} ({files[0]})")
+    return gone
 
 
 def read_run(run_dir: Path) -> dict:

@@ -301,10 +301,11 @@ def log_report(cfg: MlflowConfig, repo_root: Path, report_md: Path, summary_json
                    artifacts=[report_md, *pages, summary_json, fig_dir])
 
 
-def safely(what: str, fn, cfg: MlflowConfig, repo_root: Path, *args) -> str | None:
+def safely(what: str, fn, cfg: MlflowConfig, repo_root: Path, *args, results_of: tuple[Path, ...] = ()) -> str | None:
     """Run a logging call; a tracking failure is a warning, since the results are already on disk, and leaves a
-    marker that says so (``pending``) until a log of the same results succeeds."""
-    marker = results.pending_marker(project_root(repo_root), what)
+    marker that says so (``pending``) until a log of the same results (``results_of``: the files that identify
+    them) succeeds."""
+    marker = results.pending_marker(project_root(repo_root), what, results_of)
     try:
         rid, new = fn(cfg, repo_root, *args)
     except Exception as err:  # any store or network failure
@@ -312,8 +313,7 @@ def safely(what: str, fn, cfg: MlflowConfig, repo_root: Path, *args) -> str | No
         print(f"warning: MLflow logging of {what} failed ({why}); the results are on disk: log them later with "
               "`ampbench mlflow-sync`", flush=True)
         with contextlib.suppress(OSError):  # a marker that cannot be written must not hide the warning
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(f"{what}\n{why}\n")
+            results.write_pending(marker, what, why, results_of)
         return None
     marker.unlink(missing_ok=True)
     print(f"MLflow: {'logged' if new else 'already logged:'} {what} (run {rid})", flush=True)
@@ -333,12 +333,14 @@ def sync(cfg: MlflowConfig, repo_root: Path, runs_dir: Path, plans_dir: Path, en
         plan_file = Path(plans_dir) / f"{name}.json"
         plan = json.loads(plan_file.read_text()) if plan_file.is_file() else {}
         failed += safely(f"train@{name}", log_variant, cfg, repo_root, Path(runs_dir) / name, plan, env_info,
-                         pipeline) is None
+                         pipeline, results_of=(Path(runs_dir) / name / results.METRICS,)) is None
     if Path(summary_json).is_file():
         failed += safely("report", log_report, cfg, repo_root, report_md, summary_json, fig_dir, env_info,
-                         pipeline, None, report_html, metrics_json) is None
+                         pipeline, None, report_html, metrics_json, results_of=(summary_json, report_md)) is None
         failed += safely("the ratios on the training runs", log_comparison, cfg, repo_root, summary_json,
-                         runs_dir) is None
+                         runs_dir, results_of=(summary_json,)) is None
+    for gone in results.drop_gone_pending(project_root(repo_root)):
+        print(f"MLflow: no longer pending: {gone}, whose results are no longer on disk", flush=True)
     return failed
 
 
