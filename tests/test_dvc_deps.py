@@ -16,10 +16,9 @@ from ampbench.sandbox import REPO_ROOT
 
 STAGES = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
 # Modules that change no output DVC tracks: the version, error messages and exit codes, MLflow logging and the
-# tracking server's check (a warning printed, never written to a stage's outputs), a file's mode (DVC hashes the
-# bytes, not the mode).
+# tracking server's check (a warning printed, never written to a stage's outputs).
 EXEMPT = {"src/ampbench/__init__.py", "src/ampbench/errors.py", "src/ampbench/tracking/__init__.py",
-          "src/ampbench/tracking/access.py", "src/ampbench/modes.py"}
+          "src/ampbench/tracking/access.py"}
 
 
 def reached(script: Path) -> set[str]:

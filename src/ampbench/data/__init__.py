@@ -31,7 +31,7 @@ from ampbench.data.synthetic import NUM_CLASSES as SYNTHETIC_CLASSES
 from ampbench.data.synthetic import splits as synthetic_splits
 from ampbench.data.synthetic import synthetic
 from ampbench.errors import DataError
-from ampbench.modes import plain_mode
+from ampbench.results.modes import plain_mode
 
 __all__ = ["ARCHIVE_NAME", "FILE_LIST", "describe", "load_prepared",
            "prepare", "record", "resident_bytes", "synthetic", "synthetic_in_memory", "synthetic_splits"]

@@ -43,8 +43,8 @@ class Batches:
         self.out_size = out_size if out_size and out_size != shape[1] else None
         self.device = torch.device(device)
         # (x - mean) / std as x * (1/std) - mean/std, per channel, laid out as one image's H x W x C values: one
-        # multiply-add over each image's bytes as a flat row, which vectorises (a 3-wide broadcast does not: 2.7x
-        # slower on a CPU at batch 256), with the same arithmetic element by element
+        # multiply-add over each image's bytes as a flat row, which vectorises (a 3-wide broadcast does not, on a
+        # CPU), with the same arithmetic element by element
         c, h, w = shape
         inv_std = 1 / (torch.tensor(std, device=self.device) * 255)
         self.inv_std = inv_std.repeat(h * w)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampbench.measure.sysmon import COLUMNS as SYSTEM_COLUMNS
-from ampbench.modes import plain_mode, process_umask  # noqa: F401  where every writer here reads them
+from ampbench.results.modes import plain_mode, process_umask  # noqa: F401  where every writer here reads them
 from ampbench.results.schema import Env, Metrics  # noqa: F401  the files' schema
 
 PACKAGE = Path(__file__).resolve().parent.parent  # src/ampbench

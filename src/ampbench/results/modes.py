@@ -1,5 +1,5 @@
 """The modes files get: what a plain ``open`` (or ``mkdir``) gives under this process's umask, read without
-setting it. Light on purpose: the data stage reads it, and each stage's DVC deps list what it imports."""
+setting it: every stage's writes, the data stage's prepared set among them."""
 
 from __future__ import annotations
 
