@@ -8,9 +8,12 @@ client's HTTP requests. For each kill point n, a trained small CNN's run folder 
 what a train stage and `ampbench mlflow-sync` call) with the server "killed" at request n: the request reaches the
 server, which applies it, but its answer never comes back, and every request after it finds the connection closed
 (the server down, MLflow's retries spent). The server is then "restarted" (the proxy passes again) and the replay
-runs. Each point must end with the results in the store exactly once: one run, FINISHED, keyed, with its metrics,
-artifacts and a READY LoggedModel, nothing partial left. A last run answers every third request with a 503
-(a proxy or load balancer in trouble): the log must succeed without a failure, through MLflow's own retries.
+runs. Each point is cut a second way: the answer to request n lost while the server stays up (a connection reset
+on the way back), so MLflow's client, which retries every request, POSTs included, sends it again and the server
+applies it twice (a second run, a second LoggedModel, a batch of metrics again). Each point must end with the
+results in the store exactly once: one run, FINISHED, keyed, with its metrics, artifacts and a READY LoggedModel,
+nothing partial or RUNNING left. A last run answers every third request with a 503 (a proxy or load balancer in
+trouble): the log must succeed without a failure, through MLflow's own retries.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ sys.path.insert(0, str(REPO_ROOT / "src"))
 
 class FaultProxy(http.server.ThreadingHTTPServer):
     """An HTTP proxy to ``upstream`` that counts requests; ``kill_at``: the request whose answer is lost and after
-    which every connection is closed unanswered, until ``restart()``; ``fail_every``: every such request answered
-    503 without reaching the server."""
+    which every connection is closed unanswered, until ``restart()`` (with ``stay_up``, only that answer is lost);
+    ``fail_every``: every such request answered 503 without reaching the server."""
 
     daemon_threads = True
 
@@ -44,15 +47,17 @@ class FaultProxy(http.server.ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.upstream, self.lock = upstream, threading.Lock()
         self.count, self.kill_at, self.fail_every, self.down, self.log = 0, 0, 0, False, []
+        self.stay_up = False
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
 
-    def arm(self, kill_at: int = 0, fail_every: int = 0) -> None:
+    def arm(self, kill_at: int = 0, fail_every: int = 0, stay_up: bool = False) -> None:
         with self.lock:
             self.count, self.kill_at, self.fail_every, self.down, self.log = 0, kill_at, fail_every, False, []
+            self.stay_up = stay_up
 
     def restart(self) -> None:
         self.arm()
@@ -77,7 +82,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             fail = bool(p.fail_every) and n % p.fail_every == 0
             p.log.append((n, what, "lost" if lose else "503" if fail else "ok"))
             if lose:
-                p.down = True
+                p.down = not p.stay_up
         if fail:
             self.send_response(503)
             self.send_header("Content-Length", "0")
@@ -183,11 +188,11 @@ def whole(found: dict, rid: str) -> str:
 
 
 def one_point(proxy: FaultProxy, repo: Path, plan: dict, experiment: str, kill_at: int = 0,
-              fail_every: int = 0) -> dict:
+              fail_every: int = 0, stay_up: bool = False) -> dict:
     """Log the run folder with the fault armed, then (the server back) replay it; the outcome, as a row."""
     from ampbench import config, tracking
     cfg, run_dir = config.MlflowConfig(experiment=experiment, log_model=True), repo / "runs" / "fp32"
-    proxy.arm(kill_at=kill_at, fail_every=fail_every)
+    proxy.arm(kill_at=kill_at, fail_every=fail_every, stay_up=stay_up)
     first_error = ""
     try:
         tracking.log_variant(cfg, repo, run_dir, plan, {})
@@ -199,7 +204,7 @@ def one_point(proxy: FaultProxy, repo: Path, plan: dict, experiment: str, kill_a
     rid, _ = tracking.log_variant(cfg, repo, run_dir, plan, {})  # what `ampbench mlflow-sync` runs
     again = tracking.log_variant(cfg, repo, run_dir, plan, {})
     problem = whole(stored(proxy.url, experiment), rid) or ("" if again == (rid, False) else "logged twice")
-    return {"kill_at": kill_at, "fail_every": fail_every, "request": where, "requests": requests,
+    return {"kill_at": kill_at, "fail_every": fail_every, "stay_up": stay_up, "request": where, "requests": requests,
             "first_log": first_error or "ok", "ok": not problem, "problem": problem, "log": first_log}
 
 
@@ -222,9 +227,12 @@ def main() -> None:
                 {1 + round(i * (total - 1) / max(args.points - 1, 1)) for i in range(args.points)})
             rows = [clean]
             for i, n in enumerate(points, 1):
-                rows.append(one_point(proxy, repo, plan, f"faults-{n}", kill_at=n))
-                print(f"[faults {i}/{len(points)}] request {n} of {total} ({rows[-1]['request']}): "
-                      f"{'ok' if rows[-1]['ok'] else rows[-1]['problem']}", flush=True)
+                for stay_up in (False, True):
+                    rows.append(one_point(proxy, repo, plan, f"faults-{n}{'-up' if stay_up else ''}", kill_at=n,
+                                          stay_up=stay_up))
+                    print(f"[faults {i}/{len(points)}] request {n} of {total} ({rows[-1]['request']}), server "
+                          f"{'up' if stay_up else 'down'}: {'ok' if rows[-1]['ok'] else rows[-1]['problem']}",
+                          flush=True)
             rows.append(one_point(proxy, repo, plan, "faults-503", fail_every=3))
             print(f"[faults] every third request a 503: first log {rows[-1]['first_log']}, "
                   f"{'ok' if rows[-1]['ok'] else rows[-1]['problem']}", flush=True)
@@ -235,14 +243,19 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps([{k: v for k, v in r.items() if k != "log"} for r in rows],
                                                    indent=2) + "\n")
-    kills = [r for r in rows if r["kill_at"]]
+    kills = [r for r in rows if r["kill_at"] and not r["stay_up"]]
+    lost = [r for r in rows if r["stay_up"]]
     lines = [f"# Fault injection: a variant's logging cut at {len(kills)} of its {total} requests", "",
              f"`python benchmarks/faults.py` (MLflow server on loopback, sqlite store, artifacts over HTTP). "
-             f"{sum(r['ok'] for r in kills)} of {len(kills)} kill points replayed to the results exactly once "
-             "(one run, FINISHED, keyed, its metrics, artifacts and READY LoggedModel).", "",
-             "| request | what it was | first log | after the replay |", "|---|---|---|---|"]
+             f"{sum(r['ok'] for r in kills)} of {len(kills)} kill points (the answer lost, the server down after it) "
+             f"replayed to the results exactly once (one run, FINISHED, keyed, its metrics, artifacts and READY "
+             f"LoggedModel); {sum(r['ok'] for r in lost)} of {len(lost)} lost answers with the server up (the request "
+             f"retried by MLflow's client and applied twice) left them exactly once, "
+             f"{sum(r['first_log'] == 'ok' for r in lost)} of them without a failed first log.", "",
+             "| request | what it was | server after it | first log | after the replay |", "|---|---|---|---|---|"]
     lines += [f"| {r['kill_at'] or '-'} | {r['request'] or ('every third a 503' if r['fail_every'] else 'no fault')} "
-              f"| {r['first_log']} | {'whole, once' if r['ok'] else r['problem']} |" for r in rows]
+              f"| {('up' if r['stay_up'] else 'down') if r['kill_at'] else '-'} | {r['first_log']} "
+              f"| {'whole, once' if r['ok'] else r['problem']} |" for r in rows]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print(f"faults: {sum(r['ok'] for r in rows)} of {len(rows)} whole -> {out.with_suffix('.md')}")
     if not all(r["ok"] for r in rows) or rows[-1]["first_log"] != "ok":

@@ -166,7 +166,8 @@ def test_a_real_server_killed_mid_log_or_answering_503s_keeps_every_run_exactly_
                                                                                      monkeypatch):
     """The server gone at four points of a variant's logging (its first request, the run's creation, an artifact's
     upload, its last request: applied by the server, the answer lost, nothing after answered), then back: the
-    replay leaves the results exactly once, whole. Every third request a 503: the log succeeds through MLflow's
+    replay leaves the results exactly once, whole. The answer to the run's or the LoggedModel's creation lost with
+    the server up: MLflow's client posts it again, and the first log alone leaves them once. Every third request a 503: the log succeeds through MLflow's
     retries. (benchmarks/faults.py: every request of the log as a kill point.)"""
     module, proxy = faults
     repo, plan = logged_run_folder
@@ -180,6 +181,11 @@ def test_a_real_server_killed_mid_log_or_answering_503s_keeps_every_run_exactly_
     for n in (1, create, upload, total):
         row = module.one_point(proxy, repo, plan, f"kill-{n}", kill_at=n)
         assert row["ok"] and row["first_log"] != "ok", (row, log)
+    model = next(n for n, what, _ in log if what.endswith("/logged-models"))
+    for n in (create, model):  # the answer lost, the server up: MLflow's client posts it again, the server applies it
+        row = module.one_point(proxy, repo, plan, f"lost-{n}", kill_at=n, stay_up=True)
+        assert row["ok"] and row["first_log"] == "ok", (row, log)
+        assert [what for _, what, _ in row["log"]].count(dict((k, w) for k, w, _ in log)[n]) >= 2
     row = module.one_point(proxy, repo, plan, "every-third-503", fail_every=3)
     assert row["ok"] and row["first_log"] == "ok", row
     assert sum(fate == "503" for _, _, fate in row["log"]) >= 3
@@ -259,3 +265,51 @@ def test_a_pending_mark_stands_for_its_results_so_another_s_log_does_not_clear_i
     gone.unlink()
     assert results.drop_gone_pending(tmp_path) == [f"train@bf16 ({gone})"]
     assert results.pending_line(tmp_path) is None
+
+
+@pytest.mark.parametrize("call", ["create_run", "create_logged_model"])
+def test_a_post_the_server_applied_twice_leaves_one_run_and_one_model(logged_run_folder, tmp_path, monkeypatch,
+                                                                      call):
+    """MLflow's client retries POSTs: a runs/create or logged-models that the server applied, its answer lost, is
+    applied again by the retry, and the log goes on with the second (benchmarks/faults.py's lost answers, over
+    HTTP). The first is found by the log's attempt and deleted: one run, one READY LoggedModel, nothing RUNNING."""
+    repo, plan = logged_run_folder
+    store = f"sqlite:///{tmp_path / 'store.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    real = getattr(MlflowClient, call)
+
+    def twice(self, *args, **kwargs):
+        real(self, *args, **kwargs)  # applied; the answer lost on its way back
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(MlflowClient, call, twice)
+    rid, new = tracking.log_variant(config.MlflowConfig(log_model=True), repo, repo / "runs" / "fp32", plan, {})
+    client = MlflowClient(store)
+    exp = client.get_experiment_by_name("ampbench").experiment_id
+    assert new and [(r.info.run_id, r.info.status) for r in client.search_runs([exp])] == [(rid, "FINISHED")]
+    assert [(m.source_run_id, m.status.name) for m in client.search_logged_models([exp])] == [(rid, "READY")]
+
+
+def test_new_results_where_a_killed_log_left_a_partial_run_replace_it(tmp_mlflow, tmp_path, monkeypatch):
+    """A stage killed while it logged (SIGKILL, a container stopped) leaves its run RUNNING, partial, and no marker;
+    its rerun writes new results (a new key) in the same place. Their log deletes that partial run, found by the
+    place (this host, project, experiment, variant); an earlier whole run of that place stays, and so does a partial
+    run of another DVC experiment, which may be logging still."""
+    cfg, args = config.MlflowConfig(), _one_key_log(tmp_path)
+    earlier, _ = tracking.log_run(cfg, tmp_path, **args)
+
+    def killed(self, *a, **kw):
+        raise SystemExit(137)  # nothing after it reaches the server
+    for exp_name, key in (("", "killed-in-the-workspace"), ("bushy-tuba", "killed-in-an-experiment")):
+        monkeypatch.setenv("DVC_EXP_NAME", exp_name)
+        with monkeypatch.context() as m:
+            m.setattr(MlflowClient, "log_batch", killed)
+            m.setattr(MlflowClient, "set_terminated", killed)
+            with pytest.raises(SystemExit):
+                tracking.log_run(cfg, tmp_path, **{**args, "key": key})
+    monkeypatch.setenv("DVC_EXP_NAME", "")
+    rerun, new = tracking.log_run(cfg, tmp_path, **{**args, "key": "the-rerun-s-results"})
+    client = MlflowClient(tmp_mlflow)
+    runs = client.search_runs([client.get_experiment_by_name("ampbench").experiment_id])
+    found = {r.data.tags.get(tracking.KEY_TAG) or r.data.tags[tracking.PENDING_TAG]: r.info.status for r in runs}
+    assert new and found == {args["key"]: "FINISHED", "the-rerun-s-results": "FINISHED",
+                             "killed-in-an-experiment": "RUNNING"}

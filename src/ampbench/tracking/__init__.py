@@ -41,11 +41,12 @@ from ampbench import results  # noqa: E402
 from ampbench.config import MlflowConfig, flatten, project_root, redact_text, tracking_uri  # noqa: E402
 from ampbench.errors import analysis  # noqa: E402
 from ampbench.results import fingerprint, git_commit  # noqa: E402
-from ampbench.tracking import access  # noqa: E402
+from ampbench.tracking import access, runkeys  # noqa: E402
 from ampbench.tracking.logged_model import _log_model, _pins_taken_as_read, load_weights  # noqa: E402, F401
 from ampbench.tracking.runkeys import (  # noqa: E402, F401  the run key's rules (compare and the tests read them)
     KEY_TAG,
     PENDING_TAG,
+    RunRemoved,
     _delete,
     _runs_of,
     _store_failures_pass,
@@ -139,12 +140,14 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
     whole = complete_run(client, exp_id, key, status)
     if whole is not None:
         return whole, False
-    for partial in _runs_of(client, exp_id, key):  # a failure mid-logging left these: they are replaced
+    slot, tried = runkeys.slot(project_root(repo_root), run_name), runkeys.attempt()
+    for partial in _runs_of(client, exp_id, key, slot):  # a failure mid-logging left these: they are replaced
         if is_whole(partial, key, status):  # another writer of the same results completed it since the look above
             return partial.info.run_id, False
         _delete(client, exp_id, partial.info.run_id)
     # no password reaches the store (a URI in a command line, say): redacted as every printed line is
-    tags = {**{k: redact_text(str(v)) for k, v in tags.items() if v is not None}, PENDING_TAG: key}
+    tags = {**{k: redact_text(str(v)) for k, v in tags.items() if v is not None}, PENDING_TAG: key,
+            runkeys.SLOT_TAG: slot, runkeys.ATTEMPT_TAG: tried}
     rid = client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id
     try:
         if inputs:
@@ -176,6 +179,8 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
         if model_id:
             client.log_outputs(rid, [LoggedModelOutput(model_id, 0)])
             client.finalize_logged_model(model_id, "READY")
+            runkeys.drop_twins(client, exp_id, rid, tried, model_id)  # a LoggedModel made twice by a retried POST
+        runkeys.drop_twins(client, exp_id, rid, tried)  # and a run, while this one is partial: a cut is replayed
         client.set_tag(rid, KEY_TAG, key)  # whole: from here on it counts as logged
         client.set_terminated(rid, status, end_time=end_ms)
     except BaseException:
@@ -190,10 +195,6 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
         _delete(client, exp_id, rid)
         return kept, False
     return rid, True
-
-
-class RunRemoved(RuntimeError):
-    """A run removed by another writer while this one logged it: the log did not take; a later sync logs it."""
 
 
 JOBS_ENV = "MLFLOW_SERVER_ENABLE_JOB_EXECUTION"

@@ -1,10 +1,22 @@
 """A run's key, the mark that it was logged whole: set last, so a run cut short mid-logging is partial, and the
 rules that find the one whole run of some results, delete partial and duplicate ones, and tell the store's
-transient failures from the caller's own."""
+transient failures from the caller's own.
+
+Two more tags find what a key alone cannot. A run's slot (``SLOT_TAG``) is where its results live: this host, the
+project, the DVC experiment and the run's name. A stage killed while it logged (SIGKILL, a container stopped) leaves
+a partial run and no marker, and its rerun writes new results, so a new key, into the same slot: the partial run of
+the old key is found by the slot and deleted. A log's attempt (``ATTEMPT_TAG``) is one call of ``log_run``: MLflow's
+client retries every request, POSTs included, so a ``runs/create`` or ``logged-models`` that the server applied but
+whose answer was lost is applied again; the run or LoggedModel made first is found by the attempt and deleted."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import socket
+import uuid
+from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
@@ -12,6 +24,25 @@ from ampbench.errors import NotTheAnalysis, first_line
 
 KEY_TAG = "ampbench.run_key"  # set last: the run is whole
 PENDING_TAG = "ampbench.run_key_pending"  # set first: the run is being logged
+SLOT_TAG = "ampbench.results_slot"  # where the results live: new results there supersede a partial run of old ones
+ATTEMPT_TAG = "ampbench.log_attempt"  # one log call: the runs and LoggedModels a retried POST made twice share it
+
+
+class RunRemoved(RuntimeError):
+    """A run removed by another writer while this one logged it: the log did not take; a later sync logs it."""
+
+
+def slot(project: Path, run_name: str) -> str:
+    """The slot of ``run_name``'s results in ``project`` (the repository a DVC experiment belongs to) on this host,
+    in the current DVC experiment (``DVC_EXP_NAME``; the workspace when unset)."""
+    where = "\0".join((socket.gethostname(), str(Path(project).resolve()), os.environ.get("DVC_EXP_NAME", ""),
+                        run_name))
+    return hashlib.sha256(where.encode()).hexdigest()[:20]
+
+
+def attempt() -> str:
+    """A new log call's attempt id."""
+    return uuid.uuid4().hex
 
 
 def transient(err: BaseException) -> bool:
@@ -38,14 +69,31 @@ def _store_failures_pass(fn, *args):
         raise
 
 
-def _runs_of(client: MlflowClient, exp_id: str, key: str) -> list:
+def _runs_of(client: MlflowClient, exp_id: str, key: str, slot: str | None = None) -> list:
     """Every run of ``key``, whole or partial, in any status (a retired one too, whose retirement was cut short:
-    it is retired again)."""
+    it is retired again); with ``slot``, also the partial runs of other results in that slot, which newer results
+    there have superseded (their own whole runs stay)."""
     found = {}
-    for tag in (KEY_TAG, PENDING_TAG):
-        for run in client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{key}'", max_results=100):
-            found[run.info.run_id] = run
+    for tag, value in ((KEY_TAG, key), (PENDING_TAG, key), (SLOT_TAG, slot)):
+        if value is None:
+            continue
+        for run in client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=100):
+            tags = run.data.tags
+            if tag != SLOT_TAG or (PENDING_TAG in tags and not is_whole(run, tags[PENDING_TAG])):
+                found[run.info.run_id] = run
     return list(found.values())
+
+
+def drop_twins(client: MlflowClient, exp_id: str, rid: str, tried: str, model_id: str | None = None) -> None:
+    """Delete what a retried POST of attempt ``tried`` made besides run ``rid`` and its LoggedModel ``model_id``
+    (with ``model_id``: the LoggedModels of ``rid`` alone)."""
+    if model_id is not None:
+        _drop_models(client, [m for m in client.search_logged_models(
+            [exp_id], filter_string=f"source_run_id = '{rid}'") if m.model_id != model_id])
+        return
+    for run in client.search_runs([exp_id], filter_string=f"tags.`{ATTEMPT_TAG}` = '{tried}'", max_results=100):
+        if run.info.run_id != rid:
+            _delete(client, exp_id, run.info.run_id)
 
 
 def is_whole(run, key: str, status: str | None = None) -> bool:
@@ -84,12 +132,7 @@ def _delete(client: MlflowClient, exp_id: str, rid: str) -> None:
     with contextlib.suppress(Exception):  # a store without LoggedModels
         made = list(client.search_logged_models([exp_id], filter_string=f"source_run_id = '{rid}'"))
     try:
-        for m in made:
-            try:
-                client.delete_logged_model(m.model_id)
-            except MlflowException as err:  # a store that keeps no LoggedModels: only a refusal matters
-                if access.status(err) == 403:
-                    raise
+        _drop_models(client, made, keep_refusal=True)
         client.delete_run(rid)
     except MlflowException as err:
         if access.status(err) != 403:
@@ -100,10 +143,28 @@ def _delete(client: MlflowClient, exp_id: str, rid: str) -> None:
         with contextlib.suppress(MlflowException):  # a run that never had its key
             client.delete_tag(rid, KEY_TAG)
         client.set_terminated(rid, "FAILED")
-        for m in made:
-            with contextlib.suppress(MlflowException):  # a model deleted, or finalized already
-                client.finalize_logged_model(m.model_id, "FAILED")
+        _drop_models(client, made, may_delete=False)
         with contextlib.suppress(MlflowException):
             client.delete_tag(rid, PENDING_TAG)
         print(f"MLflow: kept run {rid} as FAILED and tagged {RETIRED_TAG} rather than deleting it: deleting runs "
               "needs MANAGE on the experiment, and this account has less", flush=True)
+
+
+def _drop_models(client: MlflowClient, made: list, keep_refusal: bool = False, may_delete: bool = True) -> None:
+    """Delete the LoggedModels ``made``; one this account may not delete (MLflow's basic-auth asks for MANAGE) is
+    marked FAILED instead, or with ``keep_refusal`` the refusal is raised (the caller retires the run whole)."""
+    from mlflow.exceptions import MlflowException
+
+    from ampbench.tracking import access
+    for m in made:
+        if may_delete:
+            try:
+                client.delete_logged_model(m.model_id)
+                continue
+            except MlflowException as err:  # a store that keeps no LoggedModels: only a refusal matters
+                if access.status(err) != 403:
+                    continue
+                if keep_refusal:
+                    raise
+        with contextlib.suppress(MlflowException):  # a model deleted, or finalized already
+            client.finalize_logged_model(m.model_id, "FAILED")
