@@ -1,4 +1,4 @@
-# make repro: the full comparison (dvc repro); make test: lint and tests; make demo: the CPU demo.
+# make repro: the full comparison (dvc repro, a SIGTERM passed on to it); make test: lint and tests; make demo: the CPU demo.
 VENV := .venv
 PY := $(VENV)/bin/python
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
@@ -34,7 +34,7 @@ $(PLOTS_PAGE): $(VENV)/.installed
 install: $(VENV)/.installed $(PLOTS_PAGE)
 
 repro: install
-	dvc repro
+	ampbench repro
 
 demo: install
 	ampbench demo

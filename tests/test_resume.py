@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,10 +225,12 @@ def test_a_second_sigterm_aborts_with_143_and_the_handler_writes_to_no_python_st
     assert err.strip() == "aborted by a second SIGTERM"
 
 
-def test_dvc_dying_of_a_sigterm_stops_its_train_stage_at_a_step_with_a_checkpoint(setup, tmp_path):
-    """``docker stop`` behind tini (or a shell): the SIGTERM reaches DVC alone, which forwards nothing to the stage
-    it runs and dies of it. The stage hears its parent's death as a SIGTERM (PR_SET_PDEATHSIG), stops at a step
-    boundary and saves a checkpoint, its output (DVC's pipes, now without a reader) sent nowhere."""
+def test_a_sigterm_to_ampbench_repro_reaches_dvc_which_dies_and_its_stage_stops_with_a_checkpoint(setup, tmp_path):
+    """``docker stop`` with `ampbench repro` (`make repro`) as the container's PID 1: the SIGTERM reaches it alone,
+    and it passes it to DVC, which forwards nothing to the stage it runs and dies of it (as behind tini). The stage
+    hears its parent's death as a SIGTERM (PR_SET_PDEATHSIG), stops at a step boundary and saves a checkpoint, its
+    output (DVC's pipes, now without a reader) sent nowhere; `ampbench repro` waits for it, as a PID 1 must (its
+    exit takes the container down), and exits 143."""
     import shlex
 
     import psutil
@@ -242,18 +245,24 @@ def test_dvc_dying_of_a_sigterm_stops_its_train_stage_at_a_step_with_a_checkpoin
         setup, _plan(setup, name), name))}}}))
     env = {**env_with_venv(), "SHELL": "/bin/bash"}  # DVC runs a stage as $SHELL -c '<cmd>'
     subprocess.run(["dvc", "init", "--no-scm", "-q"], cwd=repo, env=env, check=True, timeout=120)
-    dvc = subprocess.Popen(["dvc", "repro"], cwd=repo, env=env, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+    # as a container runs it: PID 1 of its own PID namespace (root may make one), whom the kernel gives no signal
+    # it has no handler for
+    pid1 = os.geteuid() == 0 and shutil.which("unshare") is not None
+    top = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc"] * pid1 + ["ampbench", "repro"], cwd=repo,
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = setup / f"ckpt-{name}" / "repeat1" / "last.pt"
     deadline = time.time() + 300
     while not ckpt.exists():  # the first epoch's checkpoint
-        assert dvc.poll() is None and time.time() < deadline
+        assert top.poll() is None and time.time() < deadline
         time.sleep(0.02)
-    stage = next(p for p in psutil.Process(dvc.pid).children(recursive=True) if "train.py" in " ".join(p.cmdline()))
+    repro = psutil.Process(top.pid).children()[0] if pid1 else psutil.Process(top.pid)
+    below = repro.children(recursive=True)
+    stage = next(p for p in below if "train.py" in " ".join(p.cmdline()))
+    dvc = next(p for p in below if p.cmdline()[1:4] == ["-m", "dvc", "repro"])
     time.sleep(0.1)  # into the second epoch
-    dvc.send_signal(signal.SIGTERM)
-    dvc.wait(60)
-    stage.wait(120)
+    repro.send_signal(signal.SIGTERM)
+    assert top.wait(120) == 143
+    assert not dvc.is_running() and not stage.is_running()  # waited for, not left behind
     # stopped: not trained to the end, orphaned (before, the stage trained on and wrote its results), with a
     # checkpoint to resume from (the stop's, or the epoch boundary's when the signal came as it was saved)
     assert not (setup / name / "metrics.json").exists()

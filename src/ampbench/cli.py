@@ -211,6 +211,9 @@ def main() -> None:
     d.add_argument("--nproc-per-node", type=int, default=1, metavar="N",
                    help="train under torchrun with N processes (gloo), each variant also once in one process "
                         "for the scaling efficiency, and fp32 with fp16 gradient communication")
+    rp = sub.add_parser("repro", help="dvc repro, with a SIGTERM (docker stop, Kubernetes) passed on to it and its "
+                        "stages waited for: the command for a container's entrypoint")
+    rp.add_argument("dvc_args", nargs=argparse.REMAINDER, help="arguments for dvc repro (e.g. train@amp --force)")
     s = sub.add_parser("mlflow-sync", help="log on-disk runs missing from MLflow (no duplicates)")
     s.add_argument("--params", default="params.yaml")
     s.add_argument("--reports", default="reports", help="the pipeline's reports folder")
@@ -255,6 +258,9 @@ def main() -> None:
         run_cli(lambda: mlflow_ui(args))
     elif args.command == "demo":
         run_cli(lambda: demo(Path(args.dir), args.arch, args.nproc_per_node, args.ladder, args.optimizer))
+    elif args.command == "repro":
+        from ampbench.errors import supervise
+        sys.exit(supervise([sys.executable, "-m", "dvc", "repro", *args.dvc_args]))
     elif args.command == "mlflow-sync":
         run_cli(lambda: mlflow_sync(args))
     elif args.command == "compare":

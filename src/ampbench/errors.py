@@ -13,6 +13,7 @@ names from ``ANALYSES``, comma-separated, or ``all``) makes them fail on purpose
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -114,6 +115,46 @@ def stop_with_parent() -> None:
         import ctypes
         import signal
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def supervise(cmd: list[str], **popen) -> int:
+    """Run ``cmd`` (`dvc repro`) as a container's PID 1 must: a SIGTERM passed on to it, and every process it
+    leaves waited for; its exit code (128 + the signal that ended it).
+
+    ``docker stop`` and Kubernetes send SIGTERM to PID 1 alone, and the kernel delivers no signal to a PID 1 that has
+    no handler for it: DVC as PID 1 ignores it, and the container's SIGKILL ends the stage without a checkpoint.
+    Here this process takes it and passes it to DVC, which dies of it; the stage DVC runs hears that
+    (``stop_with_parent``) and stops at a step with a checkpoint. The orphaned stage is this process's child then
+    (PR_SET_CHILD_SUBREAPER), and is waited for: a PID 1 that exits takes everything in its container with it. A
+    second SIGTERM reaches the stage too (it aborts at once). Ctrl-C reaches every process of the terminal's group
+    already (DVC ignores it, the stage stops): it is not passed on again, unless this process is PID 1."""
+    import ctypes
+    import signal
+    import subprocess
+    linux = sys.platform.startswith("linux")
+    if linux:
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
+    child = subprocess.Popen(cmd, **popen)
+
+    def forward(signum, frame) -> None:
+        import psutil
+        for pid in [child.pid] + [c.pid for c in psutil.Process().children() if c.pid != child.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+
+    keep = {signal.SIGTERM: signal.signal(signal.SIGTERM, forward),
+            signal.SIGINT: signal.signal(signal.SIGINT, forward if os.getpid() == 1 else lambda *a: None)}
+    try:
+        code = child.wait()
+        with contextlib.suppress(ChildProcessError):  # ChildProcessError: none left
+            while True:
+                os.waitpid(-1, 0)
+    finally:
+        for signum, handler in keep.items():
+            signal.signal(signum, handler)
+        if linux:  # a caller that goes on (a test) is nobody's reaper from here
+            ctypes.CDLL(None, use_errno=True).prctl(36, 0)
+    return 128 - code if code < 0 else code
 
 
 def quiet_if_orphaned() -> None:

@@ -127,9 +127,14 @@ def commit(dest: Path, message: str) -> None:
 
 
 def repro(dest: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `dvc repro` in the sandbox, output streaming to the terminal."""
-    return subprocess.run([sys.executable, "-m", "dvc", "repro", *args], cwd=dest, env=env_with_venv(),
-                          check=check)
+    """Run `dvc repro` in the sandbox, output streaming to the terminal, a SIGTERM passed on to it and its stages
+    waited for (``errors.supervise``)."""
+    from ampbench.errors import supervise
+    cmd = [sys.executable, "-m", "dvc", "repro", *args]
+    done = subprocess.CompletedProcess(cmd, supervise(cmd, cwd=dest, env=env_with_venv()))
+    if check:
+        done.check_returncode()
+    return done
 
 
 def data_parallel(params: dict, nproc: int) -> dict:
