@@ -256,10 +256,14 @@ def step_model(model: torch.nn.Module, world: World, plan) -> torch.nn.Module:
 
 
 def sync_context(model: torch.nn.Module, sync: bool):
-    """``model.no_sync()`` when ``sync`` is false on a DDP model (gradients stay local); else nothing."""
-    if sync or not hasattr(model, "no_sync"):
+    """When ``sync`` is false, gradients stay local: ``model.no_sync()`` on a DDP model, no reduce-scatter on an
+    FSDP one (``fsdp.sync_context``); else nothing."""
+    if sync:
         return nullcontext()
-    return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):
+        from ampbench.train import fsdp
+        return fsdp.sync_context(model, sync)
+    return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
 
 
 def broadcast_buffers(model: torch.nn.Module, world: World) -> None:

@@ -1,0 +1,156 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) as the second data-parallel strategy: the model sharded over the
+ranks, each block on its own and then the root, its mixed precision a ``MixedPrecisionPolicy``.
+
+What a precision buys here is memory per rank and bytes on the wire, besides the tensor cores' time: the fp32
+master weights, their gradients and the optimizer's state stay sharded 1/N; each block's parameters are
+all-gathered in ``param_dtype`` for its forward (and again for its backward, when they are resharded after the
+forward) and its gradients reduce-scattered in ``reduce_dtype``. The rungs map as the anchors map them:
+
+- fp32, tf32: no policy (fp32 on the wire; tf32 is the matmul's arithmetic, not a storage dtype);
+- bf16: ``param_dtype=bf16``, ``reduce_dtype`` fp32 (torchtitan's default) or bf16 (Accelerate's), the
+  ``reduce_dtype`` setting;
+- fp16: ``param_dtype=fp16``, fp32 reduce, and the rung's ``torch.amp.GradScaler`` over the DTensor gradients:
+  each rank holds a shard of every gradient, so an inf is in one rank's shard alone, and the scaler's inf check,
+  dispatched on DTensors, reduces its found-inf over the ranks, so every rank skips the step (tests/test_fsdp.py).
+
+The autocast of the rung runs as under DDP (the numerically sensitive ops stay fp32), over the gathered copies.
+BatchNorm layers keep fp32 parameters (sharded on their own, without ``param_dtype``), as FSDP1 keeps them by
+default and as autocast runs them: a bf16 weight beside fp32 running statistics is refused by the kernel.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from ampbench.errors import ConfigError
+
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the rungs with a policy; the others: none
+
+
+def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules sharded on their own, each all-gathered for its own forward and freed after: in a
+    ``Sequential`` or ``ModuleList``, the children of a class (not itself a container) that it holds two or more
+    of, with parameters and parts of their own (a ResNet's residual blocks, a ViT's encoder layers, a
+    MobileNet's inverted residuals); where there are none, the top-level children with parameters (a small
+    network's stages, a user's factory's parts). Named as ``named_modules`` names them; the rest stays with the
+    root."""
+    containers = nn.Sequential | nn.ModuleList
+    found, taken = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, containers) or any(name.startswith(t) for t in taken):
+            continue
+        kids = [(n, k) for n, k in module.named_children() if not isinstance(k, containers)
+                and any(True for _ in k.children()) and _has_params(k)]
+        counts: dict[type, int] = {}
+        for _, k in kids:
+            counts[type(k)] = counts.get(type(k), 0) + 1
+        picked = [(f"{name}.{n}" if name else n, k) for n, k in kids if counts[type(k)] >= 2]
+        found += picked
+        taken += [f"{n}." for n, _ in picked]
+    if found:
+        return found
+    return [(n, k) for n, k in model.named_children() if _has_params(k)]
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def policy(precision: str, reduce_dtype: str = "fp32"):
+    """The ``MixedPrecisionPolicy`` of a rung (None where it has none: fp32, tf32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    if precision not in PARAM_DTYPES:
+        return None
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ConfigError(f"distributed.fsdp_reduce_dtype = {reduce_dtype!r}: use fp32 or bf16")
+    reduce = REDUCE_DTYPES["fp32"] if precision == "fp16" else REDUCE_DTYPES[reduce_dtype]  # fp16 reduces in fp32
+    return MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[precision], reduce_dtype=reduce)
+
+
+def shard(model: nn.Module, world, device_kind: str, precision: str, reduce_dtype: str = "fp32",
+          reshard_after_forward: bool = True) -> nn.Module:
+    """``model`` sharded in place over ``world``'s ranks (a 1-D device mesh of the device type trained on, so a gloo
+    run's parameters stay on the CPU): each of its ``blocks``, then the root. Every rank must hold the same
+    weights first (built from one seed); the same module comes back, its parameters DTensor shards: make the
+    optimizer after this."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device_kind, (world.size,))
+    mp = policy(precision, reduce_dtype) or MixedPrecisionPolicy()
+    if mp.param_dtype is not None:  # BatchNorm's parameters stay fp32, as FSDP1 keeps them and autocast runs it
+        fp32 = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
+        for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)):
+            fully_shard(norm, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
+    for _, block in blocks(model):
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(model, FSDPModule)
+
+
+@contextmanager
+def _no_gradient_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def sync_context(model: nn.Module, sync: bool):
+    """Under FSDP, a micro-batch whose gradients stay unsharded and local (``sync`` false): all but the last of an
+    optimizer step's, so the gradients are reduce-scattered once per step; else nothing."""
+    return nullcontext() if sync else _no_gradient_sync(model)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value on every rank (a collective: every rank calls it); a plain tensor as it is. A total
+    gradient norm over shards is one: the norm that clipping applied, not one shard's."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def wire_bytes(model: nn.Module, world_size: int, precision: str, reduce_dtype: str = "fp32",
+               reshard_after_forward: bool = True, accum_steps: int = 1) -> dict[str, dict]:
+    """Bytes each rank sends per optimizer step, by collective, counted from the dtypes: every block's (and the
+    root's own) parameters all-gathered in ``param_dtype`` for each micro-batch's forward, and again for its
+    backward when resharded after the forward ((N-1)/N of them each time), and the trained parameters' gradients
+    reduce-scattered once per step in ``reduce_dtype`` ((N-1)/N as well). A ring's figures; under gloo a
+    reduce-scatter runs as an all-reduce, which moves twice that."""
+    p = policy(precision, reduce_dtype)
+    gather_size = (p.param_dtype if p else torch.float32).itemsize
+    reduce_size = (p.reduce_dtype if p else torch.float32).itemsize
+    share = (world_size - 1) / world_size
+    params = sum(q.numel() for q in model.parameters())
+    trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    gathers = accum_steps * (2 if reshard_after_forward else 1)
+    return {"all_gather": {"dtype": str(p.param_dtype if p else torch.float32).removeprefix("torch."),
+                           "bytes": int(gathers * share * params * gather_size), "per_step": gathers},
+            "reduce_scatter": {"dtype": str(p.reduce_dtype if p else torch.float32).removeprefix("torch."),
+                               "bytes": int(share * trained * reduce_size), "per_step": 1}}
+
+
+def memory_parts(model: nn.Module, world_size: int, precision: str, reduce_dtype: str = "fp32",
+                 optimizer_state_per_param: int = 1) -> dict[str, int]:
+    """Bytes per rank of what FSDP keeps, counted: the fp32 parameters' shard (1/N), the gradients' shard in fp32
+    (1/N), the optimizer's state (``optimizer_state_per_param`` fp32 values per trained parameter, 1/N: SGD's
+    momentum 1, Adam's 2), and the largest block's unsharded copy in ``param_dtype`` while it is all-gathered (one
+    block at a time; its gradients, unsharded in ``reduce_dtype`` until they are reduce-scattered, alike)."""
+    p = policy(precision, reduce_dtype)
+    gather_size = (p.param_dtype if p else torch.float32).itemsize
+    reduce_size = (p.reduce_dtype if p else torch.float32).itemsize
+    params = sum(q.numel() for q in model.parameters())
+    trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    units = [sum(q.numel() for q in b.parameters()) for _, b in blocks(model)]
+    largest = max([*units, params - sum(units)])  # a block's, or the root's own (a stem, a head)
+    return {"parameters": -(-params * 4 // world_size), "gradients": -(-trained * 4 // world_size),
+            "optimizer_state": -(-trained * 4 * optimizer_state_per_param // world_size),
+            "gathered_block": largest * gather_size, "unsharded_block_gradients": largest * reduce_size}
