@@ -18,7 +18,9 @@ from tests.test_distributed import WORLD
 DDP_VARIANTS = {"fp32": {"precision": "fp32", "accum_steps": 1},            # 2 processes
                 "fp32_1proc": {"precision": "fp32", "accum_steps": 1, "ddp": False},
                 # bf16 compute (fp16's GradScaler under DDP: test_distributed), fp16 gradient communication
-                "bf16_accum": {"precision": "bf16", "accum_steps": 2, "grad_comm": "fp16"}}
+                "bf16_accum": {"precision": "bf16", "accum_steps": 2, "grad_comm": "fp16"},
+                # FSDP2: the same bf16 and accumulation sharded, its gradients reduce-scattered in fp32
+                "bf16_fsdp": {"precision": "bf16", "accum_steps": 2, "strategy": "fsdp"}}
 
 
 TRAIN, BATCH = 512, 32  # 16 steps an epoch
@@ -83,8 +85,14 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     repo, proc = ddp_pipeline
     assert "torchrun --standalone --nproc-per-node 2 stages/train.py --nproc-per-node 2" in proc.stdout
     metrics = {v: json.loads((repo / "reports" / "runs" / v / "metrics.json").read_text()) for v in DDP_VARIANTS}
-    assert [metrics[v]["world_size"] for v in DDP_VARIANTS] == [2, 1, 2]
+    assert [metrics[v]["world_size"] for v in DDP_VARIANTS] == [2, 1, 2, 2]
     assert metrics["bf16_accum"]["grad_comm"] == "fp16" and metrics["bf16_accum"]["micro_batch_size"] == 8
+    sharded = metrics["bf16_fsdp"]  # sharded, bf16 on the wire both ways but the reduce, as configured
+    assert (sharded["strategy"], metrics["bf16_accum"]["strategy"]) == ("fsdp", "ddp")
+    assert sharded["fsdp"]["blocks"] == ["0", "2", "4", "7"] and sharded["fsdp"]["param_dtype"] == "bfloat16"
+    assert sharded["fsdp"]["wire_bytes_per_step"]["reduce_scatter"]["dtype"] == "float32"
+    assert sharded["fsdp"]["wire_bytes_per_step"]["all_gather"]["per_step"] == 2 * 2  # 2 micro-batches, resharded
+    assert "FSDP (bf16_fsdp) shards each of 4 blocks on its own, then the root: 0, 2, 4, 7" in proc.stdout
     assert metrics["fp32"]["backend"] == "gloo" and metrics["fp32"]["optimizer_steps"] == 3 * TRAIN // BATCH
     assert metrics["fp32"]["profile"]["communication"]["step_ms"] > 0
     for v in DDP_VARIANTS:  # one writer: one set of run files, one line saying so
@@ -101,7 +109,7 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     report = (repo / "reports" / "report.md").read_text()
     assert "## Past one process: data-parallel training (DDP)" in report
     assert "| fp32 | 2 | gloo | fp32 |" in report and "`fp32_1proc`" in report
-    assert "- Processes: 2 (torchrun, gloo backend) for fp32, bf16_accum; one for fp32_1proc" in report
+    assert "- Processes: 2 (torchrun, gloo backend) for fp32, bf16_accum, bf16_fsdp; one for fp32_1proc" in report
     assert "Data-parallel over 2 processes (gloo): fp32 ran " in verdict_of(report)  # the verdict says it
     summary = json.loads((repo / "reports" / "summary.json").read_text())
     row = next(r for r in summary["scaling"]["rows"] if r["variant"] == "fp32")

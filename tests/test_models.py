@@ -132,7 +132,8 @@ def test_factory_builds_the_users_module(user_models):
     info = models.check(ModelConfig(factory="mymodels.nets:build"), num_classes=5, image_size=32)
     assert info == {"model": "mymodels.nets:build", "param_count": 3 * 8 * 9 + 8 + 8 * 5 + 5, "unused": [],
                     "trainable_param_count": 3 * 8 * 9 + 8 + 8 * 5 + 5,
-                    "param_shapes": [(8, 3, 3, 3), (8,), (5, 8), (5,)], "frozen_shapes": []}
+                    "param_shapes": [(8, 3, 3, 3), (8,), (5, 8), (5,)], "frozen_shapes": [],
+                    "fsdp_blocks": ["0", "4"]}  # a user's factory: its top-level parts with parameters
     sized = models.build(ModelConfig(factory="mymodels.nets:sized", channels_last=False), num_classes=3,
                          image_size=16, device="cpu")
     assert sized[1].in_features == 3 * 16 * 16  # image_size is passed when the factory takes it

@@ -167,8 +167,9 @@ def test_a_real_server_killed_mid_log_or_answering_503s_keeps_every_run_exactly_
     """The server gone at four points of a variant's logging (its first request, the run's creation, an artifact's
     upload, its last request: applied by the server, the answer lost, nothing after answered), then back: the
     replay leaves the results exactly once, whole. The answer to the run's or the LoggedModel's creation lost with
-    the server up: MLflow's client posts it again, and the first log alone leaves them once. Every third request a 503: the log succeeds through MLflow's
-    retries. (benchmarks/faults.py: every request of the log as a kill point.)"""
+    the server up: MLflow's client posts it again, and the first log alone leaves them once. Every third request a
+    503: the log succeeds through MLflow's retries. (benchmarks/faults.py: every request of the log as a kill
+    point.)"""
     module, proxy = faults
     repo, plan = logged_run_folder
     monkeypatch.setenv("MLFLOW_TRACKING_URI", proxy.url)
@@ -267,12 +268,14 @@ def test_a_pending_mark_stands_for_its_results_so_another_s_log_does_not_clear_i
     assert results.pending_line(tmp_path) is None
 
 
-@pytest.mark.parametrize("call", ["create_run", "create_logged_model"])
+@pytest.mark.parametrize("call", ["create_run", "create_logged_model", "create_experiment", "log_outputs"])
 def test_a_post_the_server_applied_twice_leaves_one_run_and_one_model(logged_run_folder, tmp_path, monkeypatch,
                                                                       call):
     """MLflow's client retries POSTs: a runs/create or logged-models that the server applied, its answer lost, is
     applied again by the retry, and the log goes on with the second (benchmarks/faults.py's lost answers, over
-    HTTP). The first is found by the log's attempt and deleted: one run, one READY LoggedModel, nothing RUNNING."""
+    HTTP). The first is found by the log's attempt and deleted: one run, one READY LoggedModel, nothing RUNNING.
+    An experiment made twice, or a run's output marked twice, is refused by the store the second time: the log
+    takes the one made and goes on."""
     repo, plan = logged_run_folder
     store = f"sqlite:///{tmp_path / 'store.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)

@@ -49,6 +49,8 @@ class RunPlan:
     backend: str = "gloo"         # resolved process-group backend: nccl or gloo
     grad_comm: str = "none"       # the variant's gradient communication: none (fp32) | fp16 | bf16
     find_unused_parameters: bool = False  # DDP's find_unused_parameters (only where ddp is true)
+    strategy: str = "ddp"         # data parallelism: ddp | fsdp (FSDP2, train/fsdp.py)
+    fsdp_reduce_dtype: str = "fp32"  # fsdp, bf16: the gradients' reduce-scatter dtype
     recipe: str | None = None     # a rung with recipes (fp8, mxfp8) only: its recipe (absent from other plans' files)
     placement: str = "device"     # resolved data.placement: device | stream
     workers: int = 0              # stream only: DataLoader worker processes (both absent from a device plan's file)
@@ -72,14 +74,32 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
     train = dataclasses.replace(cfg.train, target_acc=0.0, allow_tf32=rung(v.precision).tf32,
                                 optimizer_impl=optimizer_impl(cfg, v.optimizer_impl, v.precision, device),
                                 compile=compiled(cfg, v.precision, device))
-    return RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
+    plan = RunPlan(variant=variant, precision=v.precision, accum_steps=v.accum_steps, device=device,
                    seed=cfg.seed, model=cfg.model, train=train, profile=cfg.profile,
                    amp=amp_settings(v.precision, cfg.amp), debug=cfg.debug,
                    model_source=model_source, ddp=v.ddp, backend=resolve_backend(cfg.distributed, device),
                    grad_comm=v.grad_comm or cfg.distributed.grad_comm,
                    find_unused_parameters=v.ddp and cfg.distributed.find_unused_parameters,
+                   strategy=v.strategy or cfg.distributed.strategy, fsdp_reduce_dtype=cfg.distributed.fsdp_reduce_dtype,
                    recipe=recipe_for(v.precision, v.recipe),
                    placement=placement, workers=workers if placement == "stream" else 0)
+    if plan.strategy == "fsdp":
+        _check_fsdp(plan, cfg.train.compile)
+    return plan
+
+
+def _check_fsdp(plan: RunPlan, compile_setting) -> None:
+    """What FSDP does not run here yet, refused in one line that names the fix."""
+    where = f"variant {plan.variant!r} (strategy: fsdp)"
+    if plan.grad_comm != "none":
+        raise ConfigError(f"{where}: grad_comm {plan.grad_comm} is DDP's gradient compression; FSDP reduce-scatters "
+                          "the gradients in distributed.fsdp_reduce_dtype: set grad_comm: none for it")
+    if rung(plan.precision).converts:
+        raise ConfigError(f"{where}: precision {plan.precision} under FSDP (float8 all-gather) is not supported yet; "
+                          "give this variant strategy: ddp")
+    if plan.train.compile:
+        raise ConfigError(f"{where}: train.compile {compile_setting!r} compiles it, which FSDP here does not support "
+                          "yet; set train.compile: false (or auto on a CPU), or give this variant strategy: ddp")
 
 
 def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
@@ -163,5 +183,6 @@ def read_plan(path: str | Path) -> RunPlan:
         profile=ProfileConfig(**raw.get("profile", {})),
         model_source=raw.get("model_source", ""), ddp=raw.get("ddp", True), backend=raw.get("backend", "gloo"),
         grad_comm=raw.get("grad_comm", "none"), find_unused_parameters=raw.get("find_unused_parameters", False),
+        strategy=raw.get("strategy", "ddp"), fsdp_reduce_dtype=raw.get("fsdp_reduce_dtype", "fp32"),
         recipe=raw.get("recipe", raw.get("fp8_recipe")),  # an older plan's name for it
         placement=raw.get("placement", "device"), workers=raw.get("workers", 0))

@@ -131,6 +131,7 @@ class DebugConfig:
 
 
 GRAD_COMMS = ("none", "fp16", "bf16")
+STRATEGIES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,8 @@ class DistributedConfig:
     backend: str = _opt("auto", choices=("auto", "nccl", "gloo"))  # auto = nccl on CUDA, gloo on a CPU
     grad_comm: str = _opt("none", choices=GRAD_COMMS)  # gradients all-reduced as fp32 (none), fp16 or bf16
     find_unused_parameters: bool = False  # DDP's own flag: for models with parameters the loss does not use
+    strategy: str = _opt("ddp", choices=STRATEGIES)  # ddp (each rank holds the model) | fsdp (FSDP2: sharded)
+    fsdp_reduce_dtype: str = _opt("fp32", choices=("fp32", "bf16"))  # bf16 under fsdp: its gradients' reduce-scatter
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,7 @@ class Variant:
     precision: str = _opt("fp32", choices=precision.names)  # a rung: fp32 (strict) | tf32 | fp16 | bf16 | fp8
     accum_steps: int = _opt(1, lo=1)                   # micro-batches per optimizer step
     ddp: bool = True              # false: one process even when distributed.nproc_per_node > 1 (the scaling baseline)
+    strategy: str = _opt("", choices=("", *STRATEGIES))  # "" = distributed.strategy
     grad_comm: str = _opt("", choices=("", *GRAD_COMMS))  # "" = distributed.grad_comm
     recipe: str = _opt("", choices=lambda: ("", *_recipes()))  # fp8, mxfp8: its recipe; "" = its default
     optimizer_impl: str = _opt("", choices=("", *OPTIMIZER_IMPLS))  # "" = train.optimizer_impl

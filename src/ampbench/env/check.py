@@ -168,6 +168,11 @@ def say(c: Checked) -> None:
         f"{trained:,} of {c.model['param_count']:,} parameters trained"
     print(f"env_check: model {c.model['model']} ({params}), data {cfg.data.source}: "
           f"{c.desc['train_count']:,} train / {c.desc['test_count']:,} test images, {c.desc['num_classes']} classes")
+    sharded = [name for name, plan in c.plans.items() if plan.strategy == "fsdp" and plan.ddp]
+    if sharded and nproc > 1:
+        found = c.model["fsdp_blocks"]
+        print(f"env_check: FSDP ({', '.join(sharded)}) shards each of {len(found)} blocks on its own, then the root: "
+              + ", ".join(found[:8]) + (f", ... ({len(found) - 8} more)" if len(found) > 8 else ""))
     print(f"env_check: data placement {c.placement} ({c.why})"
           + (f", {c.workers} DataLoader worker(s) per process" if c.placement == "stream" else ""))
 

@@ -249,7 +249,9 @@ def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
     unused = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
     shapes = [tuple(p.shape) for p in model.parameters() if p.requires_grad]  # what the optimizer keeps state for
     frozen = [tuple(p.shape) for p in model.parameters() if not p.requires_grad]  # weights only: no gradient, no state
-    return {**describe(model, cfg), "unused": unused, "param_shapes": shapes, "frozen_shapes": frozen}
+    from ampbench.train.fsdp import blocks  # what FSDP would shard on its own (strategy: fsdp)
+    return {**describe(model, cfg), "unused": unused, "param_shapes": shapes, "frozen_shapes": frozen,
+            "fsdp_blocks": [n for n, _ in blocks(model)]}
 
 
 def check_unused(model: dict, cfg: ModelConfig, distributed: DistributedConfig, ddp: bool) -> None:

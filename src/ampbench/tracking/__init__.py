@@ -33,7 +33,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
-from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelOutput, Metric, Param  # noqa: E402
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
@@ -76,7 +76,7 @@ def _experiment_id(client: MlflowClient, cfg: MlflowConfig, uri: str, repo_root:
     artifacts = None
     if uri.startswith(("sqlite:", "file:")) or "://" not in uri:
         artifacts = (project_root(repo_root) / "mlartifacts").as_uri()
-    return client.create_experiment(cfg.experiment, artifact_location=artifacts, tags={KIND_TAG: KIND})
+    return runkeys.create_experiment(client, cfg.experiment, artifact_location=artifacts, tags={KIND_TAG: KIND})
 
 
 def prepare_ui(cfg: MlflowConfig, uri: str, repo_root: Path) -> str | None:
@@ -177,7 +177,7 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
             elif Path(path).is_dir():
                 client.log_artifacts(rid, str(path), artifact_path=Path(path).name)
         if model_id:
-            client.log_outputs(rid, [LoggedModelOutput(model_id, 0)])
+            runkeys.log_output_once(client, rid, model_id)
             client.finalize_logged_model(model_id, "READY")
             runkeys.drop_twins(client, exp_id, rid, tried, model_id)  # a LoggedModel made twice by a retried POST
         runkeys.drop_twins(client, exp_id, rid, tried)  # and a run, while this one is partial: a cut is replayed

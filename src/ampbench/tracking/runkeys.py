@@ -69,6 +69,31 @@ def _store_failures_pass(fn, *args):
         raise
 
 
+def create_experiment(client: MlflowClient, name: str, **kw) -> str:
+    """``client.create_experiment``, where another writer (or this one's retried POST, its answer lost) may have
+    made it first: then the one made."""
+    from mlflow.exceptions import MlflowException
+    try:
+        return client.create_experiment(name, **kw)
+    except MlflowException as err:
+        made = client.get_experiment_by_name(name) if err.error_code == "RESOURCE_ALREADY_EXISTS" else None
+        if made is None:
+            raise
+        return made.experiment_id
+
+
+def log_output_once(client: MlflowClient, rid: str, model_id: str) -> None:
+    """Mark LoggedModel ``model_id`` as run ``rid``'s output, where a retried POST may have marked it already (the
+    store then refuses the second as a duplicate)."""
+    from mlflow.entities import LoggedModelOutput
+    from mlflow.exceptions import MlflowException
+    try:
+        client.log_outputs(rid, [LoggedModelOutput(model_id, 0)])
+    except MlflowException:
+        if model_id not in {o.model_id for o in client.get_run(rid).outputs.model_outputs}:
+            raise
+
+
 def _runs_of(client: MlflowClient, exp_id: str, key: str, slot: str | None = None) -> list:
     """Every run of ``key``, whole or partial, in any status (a retired one too, whose retirement was cut short:
     it is retired again); with ``slot``, also the partial runs of other results in that slot, which newer results

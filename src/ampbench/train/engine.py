@@ -29,7 +29,7 @@ from ampbench.errors import NonFiniteTraining, analysis
 from ampbench.measure import clock, flops, memory, sysmon
 from ampbench.precision import tf32_flags
 from ampbench.runplan import RunPlan
-from ampbench.train import checkpoint, distributed, ledger, numerics, probes, setup, step
+from ampbench.train import checkpoint, distributed, fsdp, ledger, numerics, probes, setup, step
 from ampbench.train.policy import PrecisionPolicy
 
 
@@ -60,13 +60,14 @@ def evaluate(model: torch.nn.Module, batches: Batches, policy: PrecisionPolicy,
     """
     distributed.broadcast_buffers(model, world)
     model.eval()
+    collective = fsdp.is_sharded(model)  # each forward all-gathers: every rank runs every batch, an empty slice too
     dev = batches.device
     loss_sum = torch.zeros((), device=dev)
     correct = torch.zeros((), device=dev, dtype=torch.int64)
     n = 0
     with torch.no_grad(), policy.autocast():
         for x, y in batches.epoch(0):
-            if not len(y):
+            if not len(y) and not collective:
                 continue
             out = model(x)
             loss_sum += F.cross_entropy(out.float(), y, reduction="sum")
@@ -107,7 +108,10 @@ class Trainer:
         plain = setup.plain_model(s, data["meta"], device)  # the model in plain arithmetic (fp8: unconverted)
         self.accum_check = self.analysis(  # on the model in plain arithmetic: what accumulation does, not fp8
             "accumulation", probes.accumulation_check, plain, x, y, self.micro) if plan.accum_steps > 1 else None
-        self.activation_bytes = self.analysis("activations", probes.activation_bytes, self.model, x[:self.micro],
+        # on the model itself; a sharded one's copy (what a forward saves is the same, and a sharded forward's
+        # all-gathered weights are not activations)
+        self.activation_bytes = self.analysis("activations", probes.activation_bytes,
+                                              plain if fsdp.is_sharded(self.model) else self.model, x[:self.micro],
                                               self.policy)
         self.flops_per_image = self.analysis("flops", flops.train_flops_per_image, plain, x[:8], y[:8])
         # a converting rung's layers that a forward runs converted (its census of the unconverted model)
@@ -290,8 +294,9 @@ class Trainer:
         over the ranks and resume on rank 0; the clock counts every rank's images already), and rank 0 writes it."""
         state = {**{k: getattr(self, k) for k in self._SCALARS}, **self.ledger.state_dict()}
         peaks = self.peaks.from_flat(self.world.reduce(self.peaks.flat(), "max"))  # every rank's largest
-        state.update(clock=self.clock.state_dict(), peaks=peaks, model=checkpoint.plain_state(self.model.state_dict()),
-                     opt=self.opt.state_dict(), scaler=self.scaler.state_dict(),
+        model, opt = fsdp.full_state(self.model, self.opt) if fsdp.is_sharded(self.model) else (
+            checkpoint.plain_state(self.model.state_dict()), self.opt.state_dict())  # FSDP: whole, on rank 0
+        state.update(clock=self.clock.state_dict(), peaks=peaks, model=model, opt=opt, scaler=self.scaler.state_dict(),
                      rng_cpu=torch.get_rng_state(),
                      rng_cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
         return state

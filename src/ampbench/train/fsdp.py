@@ -76,11 +76,13 @@ def shard(model: nn.Module, world, device_kind: str, precision: str, reduce_dtyp
     """``model`` sharded in place over ``world``'s ranks (a 1-D device mesh of the device type trained on, so a gloo
     run's parameters stay on the CPU): each of its ``blocks``, then the root. Every rank must hold the same
     weights first (built from one seed); the same module comes back, its parameters DTensor shards: make the
-    optimizer after this."""
+    optimizer after this. A channels_last model's weights are made contiguous first (FSDP2 refuses others)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     mesh = init_device_mesh(device_kind, (world.size,))
     mp = policy(precision, reduce_dtype) or MixedPrecisionPolicy()
+    model.to(memory_format=torch.contiguous_format)  # FSDP2 shards contiguous parameters only; the convolutions
+    # still run channels_last where their inputs are (cuDNN follows the input's layout)
     if mp.param_dtype is not None:  # BatchNorm's parameters stay fp32, as FSDP1 keeps them and autocast runs it
         fp32 = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
         for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)):
@@ -116,6 +118,38 @@ def full(t: torch.Tensor) -> torch.Tensor:
     gradient norm over shards is one: the norm that clipping applied, not one shard's."""
     from torch.distributed.tensor import DTensor
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def holds_shards(state: dict) -> bool:
+    """Whether a model state dict holds DTensor shards (a sharded model's own ``state_dict()``), not whole tensors
+    (a checkpoint's)."""
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(v, DTensor) for v in state.values())
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
+    """A sharded model's (and optimizer's) whole state, on the CPU, on rank 0 (the others get empty dicts): a
+    collective, every rank calls it. What a checkpoint and the trained weights hold, as under DDP."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (get_model_state_dict(model, options=options),
+            None if opt is None else get_optimizer_state_dict(model, opt, options=options))
+
+
+def load_full_state(model: nn.Module, opt: torch.optim.Optimizer, model_state: dict, opt_state: dict) -> None:
+    """A whole state (``full_state``'s, from a checkpoint every rank read) sharded into ``model`` and ``opt``."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_state, options=options)
+    set_optimizer_state_dict(model, opt, opt_state, options=options)
 
 
 def wire_bytes(model: nn.Module, world_size: int, precision: str, reduce_dtype: str = "fp32",
@@ -154,3 +188,22 @@ def memory_parts(model: nn.Module, world_size: int, precision: str, reduce_dtype
     return {"parameters": -(-params * 4 // world_size), "gradients": -(-trained * 4 // world_size),
             "optimizer_state": -(-trained * 4 * optimizer_state_per_param // world_size),
             "gathered_block": largest * gather_size, "unsharded_block_gradients": largest * reduce_size}
+
+
+def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan) -> dict:
+    """What a sharded run's metrics say of its sharding (``plan``: its RunPlan): the blocks, the dtypes, the bytes
+    on the wire per optimizer step and the memory per rank by part, counted, with what this rank holds of the
+    parameters and the optimizer's state, measured."""
+    def held(tensors) -> int:
+        return sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.nbytes for t in tensors)
+    p = policy(plan.precision, plan.fsdp_reduce_dtype)
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
+    return {"blocks": [n for n, _ in blocks(model)], "world_size": world_size,
+            "param_dtype": str(p.param_dtype).removeprefix("torch.") if p else "float32",
+            "reduce_dtype": str(p.reduce_dtype).removeprefix("torch.") if p else "float32",
+            "wire_bytes_per_step": wire_bytes(model, world_size, plan.precision, plan.fsdp_reduce_dtype,
+                                              accum_steps=plan.accum_steps),
+            "memory_per_rank": memory_parts(model, world_size, plan.precision, plan.fsdp_reduce_dtype,
+                                            round(sum(v.numel() for v in state) / max(1, trained))),  # global numel
+            "held_here": {"parameters": held(q.detach() for q in model.parameters()), "optimizer_state": held(state)}}

@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 # GPU count is zero; none of it is a problem, so only its fatal messages reach the terminal.
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 from ampbench.measure import clock
-from ampbench.train import distributed, setup
+from ampbench.train import distributed, fsdp, setup
 from ampbench.train import step as step_fn
 
 TENSOR_CORE = "conv/matmul"
@@ -245,8 +245,10 @@ def profile_run(trainer, steps: int) -> tuple[dict, str]:
     timer.end()
     wall_ms = sum(timer.data_ms) + sum(timer.compute_ms)
     summary = summarize(prof.events(), steps, wall_ms, on_cuda)
-    if world.active:
+    if world.active and not fsdp.is_sharded(s.model):
         summary["communication"] = exposed_communication(step, steps, world, device)
+    # (under FSDP a step without its collectives is no step: the all-gathers bring the weights, and without the
+    # reduce-scatter the shards get no gradient to step with; its collectives' time is the profile's own category)
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:

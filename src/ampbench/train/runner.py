@@ -25,7 +25,7 @@ from ampbench.config import to_dict
 from ampbench.errors import Aborted, AmpbenchError, NonFiniteTraining, quiet_if_orphaned
 from ampbench.measure import stats
 from ampbench.runplan import RunPlan
-from ampbench.train import checkpoint, distributed, numerics, profiling
+from ampbench.train import checkpoint, distributed, fsdp, numerics, profiling, setup
 from ampbench.train.engine import Trainer
 from ampbench.train.metrics import RunResult, run_result
 
@@ -124,13 +124,20 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
         raise stopped from None
     trainer.stop_vote.close()  # trained: no stop vote left in flight
     result = run_result(trainer)
-    if world.main:  # the weights as trained: the profile below takes further steps
-        result.weights = {k: v.detach().to("cpu", copy=True)
-                          for k, v in checkpoint.plain_state(trainer.model.state_dict()).items()}
+    sharded = fsdp.is_sharded(trainer.model)
+    # the weights as trained (the profile below takes further steps); under FSDP gathered whole (every rank's call)
+    trained = fsdp.full_state(trainer.model)[0] if sharded else checkpoint.plain_state(trainer.model.state_dict())
+    if world.main:
+        result.weights = {k: v.detach().to("cpu", copy=True) for k, v in trained.items()}
+    result.metrics["strategy"] = plan.strategy if world.active else None
+    if sharded:
+        result.metrics["fsdp"] = fsdp.describe(trainer.model, trainer.opt, world.size, plan)
     # analyses after training (never inside a timed step): one that fails is a warning and a line in the report
-    if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model, which writes the result
+    if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model (a whole copy of a sharded one)
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))
-        result.numerics = trainer.analysis("audit", numerics.audit, trainer.model, audit, trainer.ledger.last_scale,
+        model = setup.whole_copy(trainer.setup, trainer.data_meta, trainer.device, trained) if sharded \
+            else trainer.model
+        result.numerics = trainer.analysis("audit", numerics.audit, model, audit, trainer.ledger.last_scale,
                                            trainer.device.type) or []
     if profile and plan.profile.steps:
         if progress and world.main:

@@ -17,7 +17,7 @@ from ampbench import models
 from ampbench.config import optim
 from ampbench.precision import rung, set_tf32
 from ampbench.runplan import RunPlan
-from ampbench.train import distributed
+from ampbench.train import distributed, fsdp
 from ampbench.train.policy import PrecisionPolicy
 
 
@@ -32,9 +32,13 @@ class Setup:
     input_size: int                # the side of the images the model takes
 
     def load_state(self, model: dict, opt: dict, scaler: dict) -> None:
-        """Start from another setup's state (a checkpoint's, or the trained model's for the profile)."""
-        self.model.load_state_dict(model)
-        self.opt.load_state_dict(opt)
+        """Start from another setup's state (a checkpoint's, or the trained model's for the profile); under FSDP a
+        checkpoint's whole state is sharded over the ranks as it is loaded."""
+        if fsdp.is_sharded(self.model) and not fsdp.holds_shards(model):
+            fsdp.load_full_state(self.model, self.opt, model, opt)
+        else:
+            self.model.load_state_dict(model)
+            self.opt.load_state_dict(opt)
         if self.policy.uses_scaler:
             self.scaler.load_state_dict(scaler)
 
@@ -67,10 +71,13 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     input_size = models.input_size(plan.model, meta["image_shape"][-1])
     model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
+    sharded = plan.strategy == "fsdp" and world.active
+    if sharded:  # before the optimizer, which takes the shards
+        fsdp.shard(model, world, device.type, plan.precision, plan.fsdp_reduce_dtype)
     # over the trained parameters only, as fine-tuning recipes build it: a frozen one gets no state (SGD's momentum)
     opt = optimizer(plan, [p for p in model.parameters() if p.requires_grad])
     return Setup(plan=plan, policy=policy, model=model, opt=opt, scaler=policy.scaler(),
-                 step_model=distributed.step_model(model, world, plan), input_size=input_size)
+                 step_model=model if sharded else distributed.step_model(model, world, plan), input_size=input_size)
 
 
 def plain_model(s: Setup, meta: dict, device: torch.device) -> torch.nn.Module:
@@ -79,8 +86,18 @@ def plain_model(s: Setup, meta: dict, device: torch.device) -> torch.nn.Module:
     count's small batch: MX everywhere, CUDA's fp8 where images x tokens is not a multiple of 16), and its gradients
     are what the accumulation check compares (fp8 scales each micro-batch by its own amax: on a converted copy the
     check would measure fp8's scaling, not the accumulation)."""
-    if not s.policy.rung.converts:
-        return s.model
+    if not s.policy.rung.converts and not fsdp.is_sharded(s.model):
+        return s.model  # (a sharded one's every pass is a collective: an analysis gets a whole copy)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's draws unchanged
         return models.build(s.plan.model, num_classes=meta["num_classes"], image_size=s.input_size, device=device,
                             pretrained=False)  # its values are not what it is built for
+
+
+def whole_copy(s: Setup, meta: dict, device: torch.device, state: dict) -> torch.nn.Module:
+    """An unsharded copy of a sharded setup's model holding ``state`` (its whole state, ``fsdp.full_state``'s), for
+    an analysis one rank runs alone (every pass of the sharded model is a collective)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's draws unchanged
+        model = s.policy.prepare(models.build(s.plan.model, num_classes=meta["num_classes"], image_size=s.input_size,
+                                              device=device, pretrained=False))
+    model.load_state_dict(state)
+    return model

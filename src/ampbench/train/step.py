@@ -69,8 +69,8 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch
         grads = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
         norm = (torch.nn.utils.clip_grad_norm_(grads, clip) if clip
                 else torch.nn.utils.get_total_norm([p.grad for p in grads]))
-        if norms is not None:
-            norms.append(norm)
+        if norms is not None:  # under FSDP a DTensor over the shards: its value is the whole gradient's norm
+            norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     scaler.step(opt)  # unscales (if not done above), and skips the update if any gradient is inf/NaN
     scaler.update()   # once per optimizer step, not per micro-batch
     return loss
