@@ -107,11 +107,21 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     names = sorted(r.info.run_name for r in runs)
     assert names == sorted([f"train@{v}" for v in DDP_VARIANTS] + ["report"])  # one MLflow run per variant
     report = (repo / "reports" / "report.md").read_text()
-    assert "## Past one process: data-parallel training (DDP)" in report
+    assert "## Past one process: data-parallel training (DDP, FSDP)" in report
+    assert ("FSDP (`bf16_fsdp`, 2 processes, bf16 gathered, fp32 reduced) against DDP (`bf16_accum`, gradients "
+            "all-reduced in fp16): ") in report
+    assert " Sharded with FSDP (counted): bf16_fsdp held " in verdict_of(report)
     assert "| fp32 | 2 | gloo | fp32 |" in report and "`fp32_1proc`" in report
     assert "- Processes: 2 (torchrun, gloo backend) for fp32, bf16_accum, bf16_fsdp; one for fp32_1proc" in report
     assert "Data-parallel over 2 processes (gloo): fp32 ran " in verdict_of(report)  # the verdict says it
     summary = json.loads((repo / "reports" / "summary.json").read_text())
+    [fsdp] = summary["scaling"]["fsdp"]  # sharded: 1/2 of the fp32 state per rank, counted as DDP's whole
+    f = metrics["bf16_fsdp"]["fsdp"]
+    # DDP: parameters, gradients, their buckets and SGD's momentum, all whole
+    assert fsdp["against_memory_per_rank"] == 4 * (f["param_count"] + f["trained_count"] * 3)
+    assert fsdp["memory_parts"]["parameters"] == -(-4 * f["param_count"] // 2) < fsdp["against_memory_per_rank"] / 3
+    # 2 micro-batches, gathered for each forward and backward in bf16 (2 bytes), half sent by each of 2 ranks
+    assert fsdp["wire"]["all_gather"]["bytes"] == 2 * 2 * f["param_count"] * 2 // 2
     row = next(r for r in summary["scaling"]["rows"] if r["variant"] == "fp32")
     assert row["efficiency"] == pytest.approx(metrics["fp32"]["imgs_per_s"] / (2 * metrics["fp32_1proc"]["imgs_per_s"]))
 

@@ -6,7 +6,7 @@ stage did not run.
 
 from __future__ import annotations
 
-from ampbench.report import fmt
+from ampbench.report import fmt, sharded
 from ampbench.report.summary import sweep_memory
 
 
@@ -69,7 +69,8 @@ def scaling(summary: dict, env: dict, runs: dict) -> list[str]:
     s = summary.get("scaling")
     if not s:
         return []
-    out = ["## Past one process: data-parallel training (DDP)", "",
+    fs = {c["variant"]: c for c in s.get("fsdp") or []}
+    out = [f"## Past one process: data-parallel training (DDP{', FSDP' if fs else ''})", "",
            "How each data-parallel variant scaled against the same precision in one process.", "",
            "| variant | processes | backend | gradients sent as | img/s, all processes | img/s per process "
            "| against one process | scaling efficiency | all-reduce per step (profile) "
@@ -78,7 +79,8 @@ def scaling(summary: dict, env: dict, runs: dict) -> list[str]:
     for r in s["rows"]:
         against = (f"{r['speedup_vs_single']:.2f}x `{r['single_variant']}`" if r["speedup_vs_single"]
                    else "no one-process run")
-        comm = {"none": "fp32", None: "fp32"}.get(r["grad_comm"], r["grad_comm"])
+        comm = sharded.sent(fs[r["variant"]]) if r["variant"] in fs else \
+            {"none": "fp32", None: "fp32"}.get(r["grad_comm"], r["grad_comm"])
         out.append(f"| {r['variant']} | {r['world_size']} | {r['backend']} | {comm} | {r['imgs_per_s'] or 0:,.0f} "
                    f"| {r['imgs_per_s_per_process'] or 0:,.0f} | {against} | {fmt.pct(r['efficiency'])} "
                    f"| {fmt.ms(r['comm_ms_per_step'])} | {fmt.pct(r['exposed_comm_share'])} |")
@@ -101,6 +103,7 @@ def scaling(summary: dict, env: dict, runs: dict) -> list[str]:
     if missing:
         out += [f"No one-process run of the same precision and accumulation as {', '.join(missing)} ran here, so "
                 "there is no scaling efficiency for it: add a variant with `ddp: false` to measure one.", ""]
+    out += sharded.lines(s.get("fsdp") or [])
     for c in s["grad_comm"]:
         if c["against"] is None:
             out += [f"`{c['variant']}` sends its gradients as {c['grad_comm']}, but no variant of the same precision "

@@ -262,9 +262,10 @@ def scaling(runs: dict[str, dict]) -> dict | None:
             if (m.get("world_size") or 1) > 1]
     comms = []
     for row in rows:
-        if row["grad_comm"] in (None, "none"):
+        if row["grad_comm"] in (None, "none") or row["strategy"] == "fsdp":
             continue
-        base = next((r for r in rows if r["grad_comm"] == "none" and r["world_size"] == row["world_size"]
+        base = next((r for r in rows if r["grad_comm"] == "none" and r["strategy"] == "ddp"
+                     and r["world_size"] == row["world_size"]
                      and _same_work(metrics[r["variant"]]) == _same_work(metrics[row["variant"]])), None)
         if base is None:
             comms.append({"variant": row["variant"], "grad_comm": row["grad_comm"], "against": None})
@@ -275,7 +276,9 @@ def scaling(runs: dict[str, dict]) -> dict | None:
                       "acc_diff": acc - b_acc if acc is not None and b_acc is not None else None,
                       "exposed_comm_share": row["exposed_comm_share"],
                       "against_exposed_comm_share": base["exposed_comm_share"]})
-    return {"rows": rows, "grad_comm": comms}
+    from ampbench.report.sharded import against_ddp
+    return {"rows": rows, "grad_comm": comms,
+            "fsdp": [against_ddp(r, rows, metrics) for r in rows if r["strategy"] == "fsdp"]}
 
 
 def _scaling_row(name: str, m: dict, ref: str | None, metrics: dict[str, dict]) -> dict:
@@ -284,6 +287,7 @@ def _scaling_row(name: str, m: dict, ref: str | None, metrics: dict[str, dict]) 
     profile = m.get("profile") or {}
     comm_ms = ((profile.get("categories") or {}).get("communication") or {}).get("ms_per_step")
     return {"variant": name, "world_size": world, "backend": m.get("backend"), "grad_comm": m.get("grad_comm"),
+            "strategy": m.get("strategy") or "ddp",  # (runs from before FSDP: DDP)
             "imgs_per_s": ips, "imgs_per_s_per_process": ips / world if ips else None,
             "single_variant": ref, "single_imgs_per_s": ref_ips, "threads": m.get("cpu_threads"),
             "single_threads": metrics[ref].get("cpu_threads") if ref and m.get("device") == "cpu" else None,

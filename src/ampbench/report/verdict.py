@@ -8,7 +8,7 @@ headline variant, the profile section for the others.
 
 from __future__ import annotations
 
-from ampbench.report import fmt
+from ampbench.report import fmt, sharded
 
 
 def _reasons(r: dict, base: dict, env: dict) -> list[str]:
@@ -222,10 +222,9 @@ def scaling_sentence(s: dict | None) -> str:
         return ""
     parts = [f"{r['variant']} ran {r['speedup_vs_single']:.2f}x as fast as in one process, "
              f"{r['efficiency']:.0%} scaling efficiency" for r in s["rows"] if r["efficiency"]]
-    if not parts:
-        return ""
     world, backend = s["rows"][0]["world_size"], s["rows"][0]["backend"]
-    return f" Data-parallel over {world} processes ({backend}): {'; '.join(parts)}."
+    said = f" Data-parallel over {world} processes ({backend}): {'; '.join(parts)}." if parts else ""
+    return said + sharded.verdict_sentence(s.get("fsdp") or [])  # what sharding bought, where a variant sharded
 
 
 INPUT_BOUND = 0.10  # a streamed variant whose device waited longer than this share of each step for data

@@ -200,6 +200,8 @@ def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
     return {"blocks": [n for n, _ in blocks(model)], "world_size": world_size,
+            "param_count": sum(q.numel() for q in model.parameters()), "trained_count": trained,
+            "state_per_param": round(sum(v.numel() for v in state) / max(1, trained)),
             "param_dtype": str(p.param_dtype).removeprefix("torch.") if p else "float32",
             "reduce_dtype": str(p.reduce_dtype).removeprefix("torch.") if p else "float32",
             "wire_bytes_per_step": wire_bytes(model, world_size, plan.precision, plan.fsdp_reduce_dtype,

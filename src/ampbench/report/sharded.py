@@ -1,0 +1,105 @@
+"""FSDP beside DDP: what the report says of a sharded variant against the DDP one of the same precision, accumulation
+and processes (``summary.scaling``'s ``fsdp`` entries, and their lines in the data-parallel section)."""
+
+from __future__ import annotations
+
+from ampbench.report import fmt
+from ampbench.report.summary import _same_work, ratio
+
+
+def ddp_counts(m: dict, world: int, f: dict) -> dict:
+    """What DDP holds per rank and sends per optimizer step, counted as FSDP's are (``f``: an FSDP run's ``fsdp``
+    metrics, for the model's counts): the whole fp32 parameters, gradients, the buckets DDP all-reduces them in and
+    the optimizer state on every rank, and a
+    ring all-reduce of the gradients (2 (N-1)/N of them) in fp32, or in the dtype ``grad_comm`` compresses to."""
+    grad_bytes = 2 if m.get("grad_comm") in ("fp16", "bf16") else 4
+    trained = f["trained_count"]  # gradients twice: DDP's buckets hold a copy (gradient_as_bucket_view is off)
+    return {"memory_per_rank": 4 * (f["param_count"] + 2 * trained + trained * f["state_per_param"]),
+            "wire_bytes_per_step": int(2 * (world - 1) / world * trained * grad_bytes)}
+
+
+def against_ddp(row: dict, rows: list[dict], metrics: dict[str, dict]) -> dict:
+    """An FSDP variant beside the DDP one of the same precision, accumulation and processes (fp32 gradient
+    communication first): throughput, accuracy, memory per rank and bytes per step (counted), peak memory
+    (measured)."""
+    m, f = metrics[row["variant"]], metrics[row["variant"]]["fsdp"]
+    same = [r for r in rows if r["strategy"] == "ddp" and r["world_size"] == row["world_size"]
+            and _same_work(metrics[r["variant"]]) == _same_work(m)]
+    base = min(same, key=lambda r: r["grad_comm"] not in (None, "none"), default=None)
+    wire = sum(c["bytes"] for c in f["wire_bytes_per_step"].values())
+    out = {"variant": row["variant"], "against": base["variant"] if base else None,
+           "world_size": row["world_size"], "precision": m.get("precision"), "param_dtype": f["param_dtype"],
+           "reduce_dtype": f["reduce_dtype"], "memory_per_rank": sum(f["memory_per_rank"].values()),
+           "memory_parts": f["memory_per_rank"], "wire_bytes_per_step": wire,
+           "wire": f["wire_bytes_per_step"], "peak_mem_bytes": m.get("peak_mem_bytes")}
+    if base:
+        counted = ddp_counts(metrics[base["variant"]], row["world_size"], f)
+        acc, b_acc = row["final_acc"], base["final_acc"]
+        out.update(against_grad_comm=base["grad_comm"] or "none",
+                   throughput_ratio=ratio(row["imgs_per_s"], base["imgs_per_s"]),
+                   acc_diff=acc - b_acc if acc is not None and b_acc is not None else None,
+                   against_memory_per_rank=counted["memory_per_rank"],
+                   against_wire_bytes_per_step=counted["wire_bytes_per_step"],
+                   against_peak_mem_bytes=base["peak_mem_bytes"])
+    return out
+
+
+PARTS = ("parameters", "gradients", "optimizer_state", "gathered_block", "unsharded_block_gradients")
+
+
+def _mib(b) -> str:
+    return f"{b / fmt.MIB:,.2f} MiB" if b is not None else "n/a"
+
+
+def sent(c: dict) -> str:
+    """The table's "gradients sent as" cell of an FSDP variant."""
+    return f"{_dtype(c['reduce_dtype'])} reduce-scatter, {_dtype(c['param_dtype'])} all-gather"
+
+
+def _dtype(name: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
+
+
+def lines(comparisons: list[dict]) -> list[str]:
+    """Each FSDP variant against DDP: throughput, accuracy, memory per rank and bytes per step."""
+    out = []
+    for c in comparisons:
+        parts = ", ".join(f"{k.replace('_', ' ')} {_mib(c['memory_parts'][k])}" for k in PARTS
+                          if k in c["memory_parts"])
+        wire = ", ".join(f"{k.replace('_', '-')} {_mib(w['bytes'])} in {_dtype(w['dtype'])}"
+                         for k, w in c["wire"].items())
+        head = (f"FSDP (`{c['variant']}`, {c['world_size']} processes, {_dtype(c['param_dtype'])} gathered, "
+                f"{_dtype(c['reduce_dtype'])} reduced)")
+        if not c["against"]:
+            out += [f"{head}: memory per rank {_mib(c['memory_per_rank'])} counted ({parts}); sent per optimizer "
+                    f"step by each rank {_mib(c['wire_bytes_per_step'])} ({wire}). No DDP variant of the same "
+                    "precision and accumulation ran here: add one to set it beside.", ""]
+            continue
+        speed = f"{c['throughput_ratio']:.2f}x the throughput" if c["throughput_ratio"] else "throughput n/a"
+        acc = f", final accuracy {c['acc_diff'] * 100:+.2f} points" if c["acc_diff"] is not None else ""
+        out += [f"{head} against DDP (`{c['against']}`, gradients all-reduced in "
+                f"{_dtype({'none': 'float32'}.get(c['against_grad_comm'], c['against_grad_comm']))}): {speed}{acc}. "
+                f"Memory per rank, counted: {_mib(c['memory_per_rank'])} ({parts}) against "
+                f"{_mib(c['against_memory_per_rank'])} (every DDP rank holds the whole fp32 parameters, gradients, "
+                f"the buckets it all-reduces them in and the optimizer state). Sent per optimizer step by each "
+                f"rank: {_mib(c['wire_bytes_per_step'])} ({wire}) against "
+                f"{_mib(c['against_wire_bytes_per_step'])} (the all-reduce). Peak memory, measured: "
+                f"{_mib(c['peak_mem_bytes'])} against {_mib(c['against_peak_mem_bytes'])}.", ""]
+    if comparisons:
+        out += ["Counted: from the model's sizes and the dtypes, a ring's bytes ((N-1)/N of each collective's "
+                "whole; an all-gather per micro-batch for the forward and again for the backward, the weights "
+                "resharded after the forward); the bytes FSDP's collectives send are checked against the count in "
+                "the tests. The largest block gathered and its gradients are the transient parts. On a CPU the "
+                "measured peak is the process's peak RSS, which the data and the runtime dominate; gloo runs a "
+                "reduce-scatter as an all-reduce, so its times are not NCCL's.", ""]
+    return out
+
+
+def verdict_sentence(comparisons: list[dict]) -> str:
+    """What sharding bought, in the verdict: memory per rank and bytes moved against DDP, per FSDP variant."""
+    said = [f"{c['variant']} held {_mib(c['memory_per_rank'])} per rank against DDP's "
+            f"{_mib(c['against_memory_per_rank'])} and sent {_mib(c['wire_bytes_per_step'])} a step against "
+            f"{_mib(c['against_wire_bytes_per_step'])}"
+            + (f", at {c['throughput_ratio']:.2f}x DDP's throughput" if c["throughput_ratio"] else "")
+            for c in comparisons if c["against"]]
+    return f" Sharded with FSDP (counted): {'; '.join(said)}." if said else ""
