@@ -90,6 +90,15 @@ def _worker(rank: int, port: int, folder: str) -> None:
     # the clipped norm: the global one, as DDP's (each rank holds a shard of every gradient)
     out["norm"] = float(fsdp.full(torch.nn.utils.clip_grad_norm_(list(sharded.parameters()), 1e-3)))
     out["ddp_norm"] = float(torch.nn.utils.clip_grad_norm_(list(ddp_model.parameters()), 1e-3))
+    # a frozen weight (fine-tuning) in a block whose other parameters train: no gradient, the others as one process's
+    frozen = [_model(), _model()]
+    for model in frozen:
+        model[0][0].weight.requires_grad_(False)
+    fsdp.shard(frozen[1], world, "cpu", "fp32")
+    F.cross_entropy(frozen[0](gx), gy).backward()
+    F.cross_entropy(frozen[1](x), y).backward()
+    out["frozen_vs_one"] = _rel(*[[fsdp.full(q.grad) for q in m.parameters() if q.requires_grad] for m in frozen[::-1]])
+    out["frozen_no_grad"] = frozen[1][0][0].weight.grad is None
     # three steps, each rank on its slice of each batch, against one process on the whole batches
     one, sharded = _model(), fsdp.shard(_model(), world, "cpu", "fp32")
     for model, data in ((one, batches), (sharded, parts)):
@@ -145,13 +154,14 @@ def ranks(tmp_path_factory):
 def test_fsdp_gradients_and_weights_equal_ddp_s_and_one_process_s(ranks):
     """fp32: only the order of the sums differs (a reduce-scatter of two halves against one batch's sum), so the
     gradients agree to a few float32 roundings of the largest (2^-24 each); after three SGD steps the weights
-    too. A gloo path that summed the ranks' gradients instead of averaging them (pytorch/pytorch#162338) would be
-    off by 2x: a gradient ratio of 1.0."""
+    too, and with a frozen weight beside trained ones in a block. A gloo path that summed the ranks' gradients
+    instead of averaging them (pytorch/pytorch#162338) would be off by 2x: a relative difference of 1.0."""
     eps = torch.finfo(torch.float32).eps
     for r in ranks:
         assert r["sharded_grads"]
         assert r["grad_vs_one"] < 64 * eps and r["grad_vs_ddp"] < 64 * eps, r
-        assert r["accum_vs_one"] < 64 * eps, r
+        assert r["accum_vs_one"] < 64 * eps and r["frozen_vs_one"] < 64 * eps, r
+        assert r["frozen_no_grad"]
         assert r["weights_vs_one"] < 1e3 * eps, r
         assert r["norm"] == pytest.approx(r["ddp_norm"], rel=64 * eps)
     assert ranks[0]["norm"] == ranks[1]["norm"]  # one global norm, not each rank's shard's
