@@ -120,8 +120,16 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
     # DDP: parameters, gradients, their buckets and SGD's momentum, all whole
     assert fsdp["against_memory_per_rank"] == 4 * (f["param_count"] + f["trained_count"] * 3)
     assert fsdp["memory_parts"]["parameters"] == -(-4 * f["param_count"] // 2) < fsdp["against_memory_per_rank"] / 3
-    # 2 micro-batches, gathered for each forward and backward in bf16 (2 bytes), half sent by each of 2 ranks
-    assert fsdp["wire"]["all_gather"]["bytes"] == 2 * 2 * f["param_count"] * 2 // 2
+    # 2 micro-batches, gathered for each forward and backward in bf16 (2 bytes; BatchNorm's in fp32), half sent by
+    # each of 2 ranks
+    import torch
+
+    from ampbench import config, models
+    net = models.build(config.ModelConfig(arch="small_cnn"), num_classes=10, image_size=32, device="cpu")
+    norms = sum(q.numel() for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d) for q in m.parameters())
+    assert fsdp["wire"]["all_gather"]["by_dtype"] == {"bfloat16": 2 * 2 * (f["param_count"] - norms) * 2 // 2,
+                                                      "float32": 2 * 2 * norms * 4 // 2}
+    assert fsdp["memory_parts"]["accumulated_gradients"] == 4 * f["trained_count"]  # whole until the last micro
     row = next(r for r in summary["scaling"]["rows"] if r["variant"] == "fp32")
     assert row["efficiency"] == pytest.approx(metrics["fp32"]["imgs_per_s"] / (2 * metrics["fp32_1proc"]["imgs_per_s"]))
 

@@ -121,6 +121,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
             with torch.autocast("cpu", dtype=fsdp.PARAM_DTYPES[name]), _counting() as sent:
                 F.cross_entropy(model(x), y).backward()
         out[f"{name}_{reduce}_sent"] = sent
+        out[f"{name}_{reduce}_counted"] = fsdp.wire_bytes(sharded, WORLD, name, reduce)
         if reduce == "bf16":
             out["bf16_bf16_vs_ddp"] = _rel(_grads(sharded), _grads(ddp_model))
             continue
@@ -183,6 +184,12 @@ def test_the_bf16_and_fp16_policies_gather_in_their_dtype_and_reduce_fp32_gradie
                                                                  "float32"])
             assert r[f"{name}_sent"]["reduce_scatter"][0] == [{"fp32": "float32", "bf16": "bfloat16"}[reduce]]
         assert r["bf16_bf16_sent"]["reduce_scatter"][1] * 2 == r["bf16_fp32_sent"]["reduce_scatter"][1]
+        for name in ("bf16_fp32", "fp16_fp32", "bf16_bf16"):  # the blocks' low dtype and BatchNorm's fp32, counted
+            counted = r[f"{name}_counted"]
+            assert counted["all_gather"]["bytes"] == pytest.approx(
+                (WORLD - 1) * r[f"{name}_sent"]["all_gather"][1], rel=2e-2)  # (shards padded to equal sizes)
+            assert sorted(counted["all_gather"]["by_dtype"]) == r[f"{name}_sent"]["all_gather"][0]
+            assert counted["reduce_scatter"]["bytes"] == (WORLD - 1) * r[f"{name}_sent"]["reduce_scatter"][1] // WORLD
         assert r["fp16_vs_one"] < r["bf16_vs_one"]
 
 
@@ -306,6 +313,8 @@ def test_an_fsdp_checkpoint_is_whole_and_resumes_to_the_same_weights(runs):
     ({"precision": "bf16", "grad_comm": "fp16"}, {}, "grad_comm fp16 is DDP's gradient compression"),
     ({"precision": "fp8"}, {}, r"precision fp8 under FSDP \(float8 all-gather\) is not supported yet"),
     ({"precision": "bf16"}, {"compile": True}, "train.compile True compiles it"),
+    ({"precision": "bf16"}, {"optimizer": "adafactor"}, "adafactor's factored state does not run"),
+    ({"precision": "bf16", "optimizer_impl": "fused"}, {}, "optimizer_impl fused has no kernel for FSDP's"),
 ])
 def test_what_fsdp_does_not_run_yet_is_refused_in_one_line(variant, train, said):
     from ampbench import runplan
@@ -315,3 +324,29 @@ def test_what_fsdp_does_not_run_yet_is_refused_in_one_line(variant, train, said)
     with pytest.raises(ConfigError, match=f"^variant 'v' \\(strategy: fsdp\\): {said}") as err:
         runplan.make_plan(cfg, "v", "cpu")
     assert "\n" not in str(err.value)
+
+
+def test_fsdp_takes_sgd_s_foreach_where_auto_would_fuse_it_and_counts_accumulation_s_whole_gradients():
+    """On CUDA auto picks SGD's fused kernel, which has no rule for DTensor shards: FSDP's plan takes foreach
+    (DDP's keeps fused). With accumulation every gradient is held whole until the last micro-batch: counted."""
+    from ampbench import runplan
+    cfg = config.from_dict({"device": "cuda", "variants": {"f": {"precision": "bf16", "strategy": "fsdp"},
+                                                           "d": {"precision": "bf16"}},
+                            "distributed": {"nproc_per_node": 2}})
+    assert runplan.make_plan(cfg, "f", "cuda").train.optimizer_impl == "foreach"
+    assert runplan.make_plan(cfg, "d", "cuda").train.optimizer_impl == "fused"
+    model = _model()
+    trained = sum(q.numel() for q in model.parameters())
+    one, four = (fsdp.memory_parts(model, WORLD, "bf16", "fp32", 1, accum) for accum in (1, 4))
+    assert "accumulated_gradients" not in one and four["accumulated_gradients"] == 4 * trained
+
+
+def test_the_demo_s_data_parallel_variants_plan_under_a_default_fsdp_strategy():
+    """`ampbench demo --nproc-per-node 2` with distributed.strategy: fsdp: its fp16-communication variant is DDP's
+    (the hook), its one-process baselines are not sharded, and every variant plans."""
+    from ampbench import runplan, sandbox
+    params = sandbox.data_parallel(sandbox.merge(sandbox.demo_params(), {"distributed": {"strategy": "fsdp"}}), 2)
+    cfg = config.from_dict(params)
+    plans = {name: runplan.make_plan(cfg, name, "cpu") for name in cfg.variants}
+    assert {n: (p.strategy, p.ddp) for n, p in plans.items() if n.endswith(("_fp16comm", "_1proc"))} == {
+        "fp32_fp16comm": ("ddp", True), **{n: ("fsdp", False) for n in plans if n.endswith("_1proc")}}

@@ -295,8 +295,8 @@ def test_a_post_the_server_applied_twice_leaves_one_run_and_one_model(logged_run
 def test_new_results_where_a_killed_log_left_a_partial_run_replace_it(tmp_mlflow, tmp_path, monkeypatch):
     """A stage killed while it logged (SIGKILL, a container stopped) leaves its run RUNNING, partial, and no marker;
     its rerun writes new results (a new key) in the same place. Their log deletes that partial run, found by the
-    place (this host, project, experiment, variant); an earlier whole run of that place stays, and so does a partial
-    run of another DVC experiment, which may be logging still."""
+    place (this checkout of the project, experiment, variant); an earlier whole run of that place stays, and so
+    does a partial run of another DVC experiment, which may be logging still."""
     cfg, args = config.MlflowConfig(), _one_key_log(tmp_path)
     earlier, _ = tracking.log_run(cfg, tmp_path, **args)
 

@@ -36,20 +36,29 @@ _QUOTED = re.compile("|".join(q % QUOTE_MAX for q in (r"(?<![\w'\"])'(?:[^'\\\n]
                                                          r'(?<![\w\'"])"(?:[^"\\\n]|\\.){%d,}"(?!\w)')))
 
 
+# what str.splitlines breaks a line at: a key or a file name holding one would make a refusal two lines
+_BREAKS = re.compile("[\n\r\x0b\x0c\x1c-\x1e\x85\u2028\u2029]")
+
+
 def _shorten(match: re.Match) -> str:
     text = match.group(0)
     return f"{text[:QUOTE_MAX - 20]}...{text[0]} ({len(text) - 2:,} characters)"
 
 
+def _one_line(text: str) -> str:
+    text = _QUOTED.sub(_shorten, text) if len(text) > QUOTE_MAX else text
+    return _BREAKS.sub(lambda m: repr(m.group(0))[1:-1], text)
+
+
 class AmpbenchError(Exception):
     """Base for errors whose message is written for the user; a value quoted in it longer than ``QUOTE_MAX`` is
-    shortened to its start and its length, so a refusal stays a line whatever the user handed over."""
+    shortened to its start and its length, and a line break in it is written as its escape (``\\n``), so a refusal
+    stays a line whatever the user handed over."""
 
     exit_code = 1
 
     def __init__(self, *args):
-        super().__init__(*(_QUOTED.sub(_shorten, a) if isinstance(a, str) and len(a) > QUOTE_MAX else a
-                           for a in args))
+        super().__init__(*(_one_line(a) if isinstance(a, str) else a for a in args))
 
 
 class Aborted(KeyboardInterrupt):
@@ -131,24 +140,39 @@ def supervise(cmd: list[str], **popen) -> int:
     import ctypes
     import signal
     import subprocess
+
+    import psutil
     linux = sys.platform.startswith("linux")
     if linux:
         ctypes.CDLL(None, use_errno=True).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
-    child = subprocess.Popen(cmd, **popen)
+    me = psutil.Process()
+    before = {c.pid for c in me.children()}  # a caller's own children (a test's servers): never waited for here
+    child: list[subprocess.Popen] = []
+    early: list[int] = []
 
     def forward(signum, frame) -> None:
-        import psutil
-        for pid in [child.pid] + [c.pid for c in psutil.Process().children() if c.pid != child.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+        if not child:  # before DVC started: passed on once it has
+            early.append(signum)
+        elif child[0].returncode is None:
+            child[0].send_signal(signal.SIGTERM)  # (Popen's: never a pid reaped and reused since)
+        else:  # DVC is gone: the stage it left behind
+            for c in me.children():
+                if c.pid not in before:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(c.pid, signal.SIGTERM)
 
+    # the handlers first, so that no signal falls between the start and them
     keep = {signal.SIGTERM: signal.signal(signal.SIGTERM, forward),
             signal.SIGINT: signal.signal(signal.SIGINT, forward if os.getpid() == 1 else lambda *a: None)}
     try:
-        code = child.wait()
-        with contextlib.suppress(ChildProcessError):  # ChildProcessError: none left
-            while True:
-                os.waitpid(-1, 0)
+        child.append(subprocess.Popen(cmd, **popen))
+        if early:
+            forward(early[0], None)
+        code = child[0].wait()
+        while left := [c for c in me.children() if c.pid not in before]:  # the orphans reparented here, alone
+            for c in left:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(c.pid, 0)
     finally:
         for signum, handler in keep.items():
             signal.signal(signum, handler)

@@ -83,14 +83,23 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
                    strategy=v.strategy or cfg.distributed.strategy, fsdp_reduce_dtype=cfg.distributed.fsdp_reduce_dtype,
                    recipe=recipe_for(v.precision, v.recipe),
                    placement=placement, workers=workers if placement == "stream" else 0)
-    if plan.strategy == "fsdp":
-        _check_fsdp(plan, cfg.train.compile)
+    if plan.strategy == "fsdp" and plan.ddp:  # (ddp: false trains in one process: nothing to shard)
+        plan = _check_fsdp(plan, cfg.train.compile, v.optimizer_impl or cfg.train.optimizer_impl)
     return plan
 
 
-def _check_fsdp(plan: RunPlan, compile_setting) -> None:
-    """What FSDP does not run here yet, refused in one line that names the fix."""
+def _check_fsdp(plan: RunPlan, compile_setting, impl_setting: str) -> RunPlan:
+    """What FSDP does not run here yet, refused in one line that names the fix; ``plan`` with the optimizer's
+    implementation FSDP's DTensor parameters take (SGD's fused kernel has no DTensor rule: auto is foreach)."""
     where = f"variant {plan.variant!r} (strategy: fsdp)"
+    if plan.train.optimizer == "adafactor":
+        raise ConfigError(f"{where}: adafactor's factored state does not run over FSDP's sharded parameters; use "
+                          "train.optimizer: sgd or adamw, or give this variant strategy: ddp")
+    if plan.train.optimizer_impl == "fused" and plan.train.optimizer == "sgd":
+        if impl_setting == "fused":
+            raise ConfigError(f"{where}: optimizer_impl fused has no kernel for FSDP's sharded parameters with "
+                              "sgd; use optimizer_impl: foreach (or auto)")
+        plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, optimizer_impl="foreach"))
     if plan.grad_comm != "none":
         raise ConfigError(f"{where}: grad_comm {plan.grad_comm} is DDP's gradient compression; FSDP reduce-scatters "
                           "the gradients in distributed.fsdp_reduce_dtype: set grad_comm: none for it")
@@ -100,6 +109,7 @@ def _check_fsdp(plan: RunPlan, compile_setting) -> None:
     if plan.train.compile:
         raise ConfigError(f"{where}: train.compile {compile_setting!r} compiles it, which FSDP here does not support "
                           "yet; set train.compile: false (or auto on a CPU), or give this variant strategy: ddp")
+    return plan
 
 
 def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:
@@ -144,14 +154,17 @@ def recipe(cfg: Config, precision: str) -> str | None:
 
 def write_plan(plan: RunPlan, path: Path) -> None:
     """The plan as JSON; ``recipe`` only in a plan of a rung with recipes, the data placement only when it
-    streams, and ``model.convert_ends`` and the fine-tuning keys only when set, so the other plans' files
-    (train-stage deps) stay as they were before these existed and their stages do not rerun."""
+    streams, the FSDP keys only under FSDP, and ``model.convert_ends`` and the fine-tuning keys only when set, so
+    the other plans' files (train-stage deps) stay as they were before these existed and their stages do not
+    rerun."""
     path.parent.mkdir(parents=True, exist_ok=True)
     d = to_dict(plan)
     if d["recipe"] is None:
         del d["recipe"]
     if d["placement"] == "device":
         del d["placement"], d["workers"]
+    if d["strategy"] == "ddp":  # FSDP's keys only in an FSDP plan
+        del d["strategy"], d["fsdp_reduce_dtype"]
     d["model"] = model_dict(plan.model)
     if not d["model"]["convert_ends"]:
         del d["model"]["convert_ends"]

@@ -146,7 +146,7 @@ def data_parallel(params: dict, nproc: int) -> dict:
         variants[f"{name}_1proc"] = {**spec, "ddp": False}
     fp32 = next((n for n, v in params["variants"].items() if v.get("precision") == "fp32"),
                 next(iter(params["variants"])))
-    variants[f"{fp32}_fp16comm"] = {**params["variants"][fp32], "grad_comm": "fp16"}
+    variants[f"{fp32}_fp16comm"] = {**params["variants"][fp32], "grad_comm": "fp16", "strategy": "ddp"}  # DDP's hook
     return {**merge(params, {"distributed": {"nproc_per_node": nproc}}), "variants": variants}
 
 

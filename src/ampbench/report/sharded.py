@@ -44,7 +44,8 @@ def against_ddp(row: dict, rows: list[dict], metrics: dict[str, dict]) -> dict:
     return out
 
 
-PARTS = ("parameters", "gradients", "optimizer_state", "gathered_block", "unsharded_block_gradients")
+PARTS = ("parameters", "gradients", "optimizer_state", "gathered_blocks", "unsharded_block_gradients",
+         "accumulated_gradients")
 
 
 def _mib(b) -> str:
@@ -66,7 +67,8 @@ def lines(comparisons: list[dict]) -> list[str]:
     for c in comparisons:
         parts = ", ".join(f"{k.replace('_', ' ')} {_mib(c['memory_parts'][k])}" for k in PARTS
                           if k in c["memory_parts"])
-        wire = ", ".join(f"{k.replace('_', '-')} {_mib(w['bytes'])} in {_dtype(w['dtype'])}"
+        wire = ", ".join(f"{k.replace('_', '-')} {_mib(w['bytes'])} in "
+                         + " and ".join(_dtype(d) for d in (w.get("by_dtype") or {w["dtype"]: 0}))
                          for k, w in c["wire"].items())
         head = (f"FSDP (`{c['variant']}`, {c['world_size']} processes, {_dtype(c['param_dtype'])} gathered, "
                 f"{_dtype(c['reduce_dtype'])} reduced)")
@@ -89,9 +91,10 @@ def lines(comparisons: list[dict]) -> list[str]:
         out += ["Counted: from the model's sizes and the dtypes, a ring's bytes ((N-1)/N of each collective's "
                 "whole; an all-gather per micro-batch for the forward and again for the backward, the weights "
                 "resharded after the forward); the bytes FSDP's collectives send are checked against the count in "
-                "the tests. The largest block gathered and its gradients are the transient parts. On a CPU the "
-                "measured peak is the process's peak RSS, which the data and the runtime dominate; gloo runs a "
-                "reduce-scatter as an all-reduce, so its times are not NCCL's.", ""]
+                "the tests. The gathered blocks (the one running and the one prefetched) and a block's unsharded "
+                "gradients are the transient parts; with accumulation every gradient is held whole until the last "
+                "micro-batch. On a CPU the measured peak is the process's peak RSS, which the data and the runtime "
+                "dominate; gloo runs a reduce-scatter as an all-reduce, so its times are not NCCL's.", ""]
     return out
 
 

@@ -2,19 +2,19 @@
 rules that find the one whole run of some results, delete partial and duplicate ones, and tell the store's
 transient failures from the caller's own.
 
-Two more tags find what a key alone cannot. A run's slot (``SLOT_TAG``) is where its results live: this host, the
-project, the DVC experiment and the run's name. A stage killed while it logged (SIGKILL, a container stopped) leaves
-a partial run and no marker, and its rerun writes new results, so a new key, into the same slot: the partial run of
-the old key is found by the slot and deleted. A log's attempt (``ATTEMPT_TAG``) is one call of ``log_run``: MLflow's
-client retries every request, POSTs included, so a ``runs/create`` or ``logged-models`` that the server applied but
-whose answer was lost is applied again; the run or LoggedModel made first is found by the attempt and deleted."""
+Two more tags find what a key alone cannot. A run's slot (``SLOT_TAG``) is where its results live: this checkout of
+the project, the DVC experiment and the run's name. A stage killed while it logged (SIGKILL, a container stopped)
+leaves a partial run and no marker, and its rerun writes new results, so a new key, into the same slot: the partial
+run of the old key is found by the slot and deleted. A log's attempt (``ATTEMPT_TAG``) is one call of ``log_run``:
+MLflow's client retries every request, POSTs included, so a ``runs/create`` or ``logged-models`` that the server
+applied but whose answer was lost is applied again; the run or LoggedModel made first is found by the attempt and
+deleted."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import os
-import socket
 import uuid
 from pathlib import Path
 
@@ -33,10 +33,21 @@ class RunRemoved(RuntimeError):
 
 
 def slot(project: Path, run_name: str) -> str:
-    """The slot of ``run_name``'s results in ``project`` (the repository a DVC experiment belongs to) on this host,
-    in the current DVC experiment (``DVC_EXP_NAME``; the workspace when unset)."""
-    where = "\0".join((socket.gethostname(), str(Path(project).resolve()), os.environ.get("DVC_EXP_NAME", ""),
-                        run_name))
+    """The slot of ``run_name``'s results in ``project`` (the repository a DVC experiment belongs to): this checkout
+    (an id kept in its ``.ampbench/``, the same across a container's restarts where the project is a volume, and
+    not shared by two clones), the current DVC experiment (``DVC_EXP_NAME``; the workspace when unset) and the
+    run's name."""
+    mark = Path(project) / ".ampbench" / "checkout"
+    try:
+        checkout = mark.read_text().strip()
+    except OSError:
+        checkout = ""
+    if not checkout:
+        checkout = uuid.uuid4().hex  # where it cannot be kept, a slot of its own: nothing is found by it
+        with contextlib.suppress(OSError):
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            mark.write_text(checkout + "\n")
+    where = "\0".join((checkout, os.environ.get("DVC_EXP_NAME", ""), run_name))
     return hashlib.sha256(where.encode()).hexdigest()[:20]
 
 
@@ -102,7 +113,9 @@ def _runs_of(client: MlflowClient, exp_id: str, key: str, slot: str | None = Non
     for tag, value in ((KEY_TAG, key), (PENDING_TAG, key), (SLOT_TAG, slot)):
         if value is None:
             continue
-        for run in client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{value}'", max_results=100):
+        unfinished = " and attributes.status != 'FINISHED'" if tag == SLOT_TAG else ""  # not a slot's whole runs
+        for run in client.search_runs([exp_id], filter_string=f"tags.`{tag}` = '{value}'{unfinished}",
+                                      max_results=100):
             tags = run.data.tags
             if tag != SLOT_TAG or (PENDING_TAG in tags and not is_whole(run, tags[PENDING_TAG])):
                 found[run.info.run_id] = run

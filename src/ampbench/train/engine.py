@@ -172,8 +172,12 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)  # room for the replay's copy beside the model (training is over)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        model = self.model
+        if fsdp.is_sharded(model):  # every rank stops here: each replays on a whole copy (a copy of the shards fails)
+            whole = fsdp.full_state(model, everywhere=True)[0]
+            model = setup.whole_copy(self.setup, self.data_meta, self.device, whole)
         with self.policy.kernels():  # its backward too
-            self.diagnosis = numerics.diagnose(self.model, x, y, self.policy.autocast, self.ledger.last_scale or 1.0,
+            self.diagnosis = numerics.diagnose(model, x, y, self.policy.autocast, self.ledger.last_scale or 1.0,
                                                self.opt)
         self.diagnosis["reason"] = why
         fix = numerics.advice(self.diagnosis, self.plan.precision, self.plan.train.optimizer_impl, self.ledger.skipped)

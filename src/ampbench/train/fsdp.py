@@ -13,9 +13,11 @@ forward) and its gradients reduce-scattered in ``reduce_dtype``. The rungs map a
   each rank holds a shard of every gradient, so an inf is in one rank's shard alone, and the scaler's inf check,
   dispatched on DTensors, reduces its found-inf over the ranks, so every rank skips the step (tests/test_fsdp.py).
 
-The autocast of the rung runs as under DDP (the numerically sensitive ops stay fp32), over the gathered copies.
-BatchNorm layers keep fp32 parameters (sharded on their own, without ``param_dtype``), as FSDP1 keeps them by
-default and as autocast runs them: a bf16 weight beside fp32 running statistics is refused by the kernel.
+The autocast of the rung runs as under DDP (the numerically sensitive ops stay fp32), over the gathered copies,
+on the activations as DDP's see them: a block's policy does not cast its inputs, and the root's own parameters
+(a ViT's class token and position embedding, added to the residual stream) stay fp32. BatchNorm layers keep fp32
+parameters (sharded on their own), as FSDP1 keeps them by default and as autocast runs them: a bf16 weight beside
+fp32 running statistics is refused by the kernel.
 """
 
 from __future__ import annotations
@@ -83,14 +85,32 @@ def shard(model: nn.Module, world, device_kind: str, precision: str, reduce_dtyp
     mp = policy(precision, reduce_dtype) or MixedPrecisionPolicy()
     model.to(memory_format=torch.contiguous_format)  # FSDP2 shards contiguous parameters only; the convolutions
     # still run channels_last where their inputs are (cuDNN follows the input's layout)
-    if mp.param_dtype is not None:  # BatchNorm's parameters stay fp32, as FSDP1 keeps them and autocast runs it
-        fp32 = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
-        for norm in (m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)):
-            fully_shard(norm, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
-    for _, block in blocks(model):
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # fp32 where autocast keeps it: BatchNorm's parameters (as FSDP1 keeps them), the root's own (a ViT's class
+    # token and position embedding, added to the stream) and the activations between blocks, which a block's policy
+    # leaves uncast (autocast casts each op's inputs as under DDP)
+    fp32 = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
+    low = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=False)
+    for name, size, _ in units(model, precision, reduce_dtype)[:-1]:
+        fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=fp32 if size == 4 else low,
+                    reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
     return model
+
+
+def units(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> list[tuple[str, int, int]]:
+    """What ``shard`` shards on its own, inner first: (its name, the bytes of a value it is all-gathered in, its
+    parameters not in an inner unit). Under a policy each BatchNorm with parameters (fp32), then each of the
+    ``blocks`` (``param_dtype``), then the root's own (fp32)."""
+    p = policy(precision, reduce_dtype)
+    low = p.param_dtype.itemsize if p else 4
+    found, taken = [], set()
+    norms = [(n, m) for n, m in model.named_modules() if p is not None
+             and isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)]
+    for (name, module), size in [*((nm, 4) for nm in norms), *((b, low) for b in blocks(model)), (("", model), 4)]:
+        own = [q for q in module.parameters() if id(q) not in taken]
+        taken.update(id(q) for q in own)
+        found.append((name, size, sum(q.numel() for q in own)))
+    return found
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -127,15 +147,17 @@ def holds_shards(state: dict) -> bool:
     return any(isinstance(v, DTensor) for v in state.values())
 
 
-def full_state(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None]:
-    """A sharded model's (and optimizer's) whole state, on the CPU, on rank 0 (the others get empty dicts): a
-    collective, every rank calls it. What a checkpoint and the trained weights hold, as under DDP."""
+def full_state(model: nn.Module, opt: torch.optim.Optimizer | None = None,
+               everywhere: bool = False) -> tuple[dict, dict | None]:
+    """A sharded model's (and optimizer's) whole state, on the CPU, on rank 0 (the others get empty dicts; with
+    ``everywhere``, on every rank, on its device): a collective, every rank calls it. What a checkpoint and the
+    trained weights hold, as under DDP."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
     return (get_model_state_dict(model, options=options),
             None if opt is None else get_optimizer_state_dict(model, opt, options=options))
 
@@ -154,40 +176,46 @@ def load_full_state(model: nn.Module, opt: torch.optim.Optimizer, model_state: d
 
 def wire_bytes(model: nn.Module, world_size: int, precision: str, reduce_dtype: str = "fp32",
                reshard_after_forward: bool = True, accum_steps: int = 1) -> dict[str, dict]:
-    """Bytes each rank sends per optimizer step, by collective, counted from the dtypes: every block's (and the
-    root's own) parameters all-gathered in ``param_dtype`` for each micro-batch's forward, and again for its
-    backward when resharded after the forward ((N-1)/N of them each time), and the trained parameters' gradients
-    reduce-scattered once per step in ``reduce_dtype`` ((N-1)/N as well). A ring's figures; under gloo a
-    reduce-scatter runs as an all-reduce, which moves twice that."""
+    """Bytes each rank sends per optimizer step, by collective, counted from the dtypes: every unit's parameters
+    (``units``: the blocks' in ``param_dtype``, BatchNorm's and the root's own in fp32) all-gathered for each
+    micro-batch's forward, and again for its backward when resharded after the forward ((N-1)/N of them each
+    time), and the trained parameters' gradients reduce-scattered once per step in ``reduce_dtype`` ((N-1)/N as
+    well). A ring's figures, shards unpadded; under gloo a reduce-scatter runs as an all-reduce."""
     p = policy(precision, reduce_dtype)
-    gather_size = (p.param_dtype if p else torch.float32).itemsize
-    reduce_size = (p.reduce_dtype if p else torch.float32).itemsize
     share = (world_size - 1) / world_size
-    params = sum(q.numel() for q in model.parameters())
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
     gathers = accum_steps * (2 if reshard_after_forward else 1)
+    by_dtype: dict[str, int] = {}
+    for _, size, count in units(model, precision, reduce_dtype):
+        name = {4: "float32", 2: str(p.param_dtype if p else "").removeprefix("torch.")}[size]
+        by_dtype[name] = by_dtype.get(name, 0) + int(gathers * share * count * size)
+    reduce = p.reduce_dtype if p else torch.float32
     return {"all_gather": {"dtype": str(p.param_dtype if p else torch.float32).removeprefix("torch."),
-                           "bytes": int(gathers * share * params * gather_size), "per_step": gathers},
-            "reduce_scatter": {"dtype": str(p.reduce_dtype if p else torch.float32).removeprefix("torch."),
-                               "bytes": int(share * trained * reduce_size), "per_step": 1}}
+                           "bytes": sum(by_dtype.values()), "by_dtype": by_dtype, "per_step": gathers},
+            "reduce_scatter": {"dtype": str(reduce).removeprefix("torch."),
+                               "bytes": int(share * trained * reduce.itemsize), "per_step": 1}}
 
 
 def memory_parts(model: nn.Module, world_size: int, precision: str, reduce_dtype: str = "fp32",
-                 optimizer_state_per_param: int = 1) -> dict[str, int]:
+                 optimizer_state_per_param: int = 1, accum_steps: int = 1) -> dict[str, int]:
     """Bytes per rank of what FSDP keeps, counted: the fp32 parameters' shard (1/N), the gradients' shard in fp32
     (1/N), the optimizer's state (``optimizer_state_per_param`` fp32 values per trained parameter, 1/N: SGD's
-    momentum 1, Adam's 2), and the largest block's unsharded copy in ``param_dtype`` while it is all-gathered (one
-    block at a time; its gradients, unsharded in ``reduce_dtype`` until they are reduce-scattered, alike)."""
+    momentum 1, Adam's 2); the two largest units' unsharded copies while all-gathered (the one running and the one
+    prefetched) and the largest one's unsharded gradients in ``reduce_dtype`` until they are reduce-scattered; and
+    with accumulation, every gradient whole in ``reduce_dtype`` from the first micro-batch to the last (the
+    reduce-scatter waits for it)."""
     p = policy(precision, reduce_dtype)
-    gather_size = (p.param_dtype if p else torch.float32).itemsize
     reduce_size = (p.reduce_dtype if p else torch.float32).itemsize
     params = sum(q.numel() for q in model.parameters())
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
-    units = [sum(q.numel() for q in b.parameters()) for _, b in blocks(model)]
-    largest = max([*units, params - sum(units)])  # a block's, or the root's own (a stem, a head)
-    return {"parameters": -(-params * 4 // world_size), "gradients": -(-trained * 4 // world_size),
-            "optimizer_state": -(-trained * 4 * optimizer_state_per_param // world_size),
-            "gathered_block": largest * gather_size, "unsharded_block_gradients": largest * reduce_size}
+    found = sorted(((size * count, count) for _, size, count in units(model, precision, reduce_dtype)), reverse=True)
+    parts = {"parameters": -(-params * 4 // world_size), "gradients": -(-trained * 4 // world_size),
+             "optimizer_state": -(-trained * 4 * optimizer_state_per_param // world_size),
+             "gathered_blocks": sum(b for b, _ in found[:2]),
+             "unsharded_block_gradients": max(c for _, c in found) * reduce_size}
+    if accum_steps > 1:
+        parts["accumulated_gradients"] = trained * reduce_size
+    return parts
 
 
 def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan) -> dict:
@@ -207,5 +235,6 @@ def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan
             "wire_bytes_per_step": wire_bytes(model, world_size, plan.precision, plan.fsdp_reduce_dtype,
                                               accum_steps=plan.accum_steps),
             "memory_per_rank": memory_parts(model, world_size, plan.precision, plan.fsdp_reduce_dtype,
-                                            round(sum(v.numel() for v in state) / max(1, trained))),  # global numel
+                                            round(sum(v.numel() for v in state) / max(1, trained)),  # global numel
+                                            plan.accum_steps),
             "held_here": {"parameters": held(q.detach() for q in model.parameters()), "optimizer_state": held(state)}}

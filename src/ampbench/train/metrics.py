@@ -76,6 +76,7 @@ def run_result(t) -> RunResult:
         "imgs_per_s_p10_p90": stats.rate_spread(rates),
         "compute_imgs_per_s": timed_images / (total_compute / 1000) if total_compute else None,
         "world_size": t.world.size, "backend": t.world.backend or None, "cpu_threads": torch.get_num_threads(),
+        "strategy": plan.strategy if t.world.active else None,  # ddp | fsdp (a stopped run's too)
         "grad_comm": plan.grad_comm if t.world.active else None,
         "imgs_per_s_per_process": ips / t.world.size if ips else None,
         "step_time_ms": stats.summarize_ms(c.cycle_ms),      # end to end

@@ -129,7 +129,6 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     trained = fsdp.full_state(trainer.model)[0] if sharded else checkpoint.plain_state(trainer.model.state_dict())
     if world.main:
         result.weights = {k: v.detach().to("cpu", copy=True) for k, v in trained.items()}
-    result.metrics["strategy"] = plan.strategy if world.active else None
     if sharded:
         result.metrics["fsdp"] = fsdp.describe(trainer.model, trainer.opt, world.size, plan)
     # analyses after training (never inside a timed step): one that fails is a warning and a line in the report
