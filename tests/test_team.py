@@ -1,7 +1,9 @@
 """A team: `ampbench team-server` (MLflow's basic-auth app over TLS) backed by a real PostgreSQL, serving artifacts,
 an account per machine, two machines (two clones that present different machines) running the pipeline into it
 over https://, and `ampbench compare` putting them side by side; the refusals (no credentials, a missing right, a
-certificate not trusted) each said in one line, and no password in a command line or a report.
+certificate not trusted) each said in one line, and no password in a command line or a report. The server under
+load and faults: three machines logging at once through its restart (the load benchmark's smallest round), a
+full artifact disk, a database down at its start; each failure said in one line, each run in the store once.
 
 PostgreSQL comes from Debian's `postgresql` package (`make test` installs it where it can); without it this test
 skips with its reason, except under CI=true, where it fails.
@@ -11,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import glob
 import json
 import os
+import re
 import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,14 +29,25 @@ import yaml
 from ampbench import sandbox
 from ampbench.sandbox import REPO_ROOT
 
-PG_BINS = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name))
 PASSWORD = "hunter2-team"
+ADMIN, ALICE, BOB = "admin-pw-team-1", "alice-pw-team-1", "bob-pw-team-12"  # every password the test gives
+SECRETS = (PASSWORD, ADMIN, ALICE, BOB)
+TRACKING = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_SERVER_CERT_PATH", "MLFLOW_TRACKING_USERNAME",
+            "MLFLOW_TRACKING_PASSWORD")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _benchmark(name: str):
+    """benchmarks/<name>.py as a module: the load benchmark, and through it its throwaway team (a PostgreSQL
+    cluster, a certificate, `ampbench team-server`, accounts: benchmarks/teamserver.py)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO_ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LOAD = _benchmark("load")
+TEAM = LOAD.teamserver
 
 
 def _missing(reason: str):
@@ -45,85 +56,19 @@ def _missing(reason: str):
     pytest.skip(reason)
 
 
-def _as_postgres(cmd: list[str]) -> list[str]:
-    """initdb and postgres refuse to run as root: CI runs as root, so they run as the postgres user there."""
-    if os.geteuid() != 0:
-        return cmd
-    return ["runuser", "-u", "postgres", "--", *cmd]
-
-
 @pytest.fixture(scope="module")
 def postgres():
-    """A throwaway cluster on a loopback port with a password, and a database for MLflow; its URI."""
-    if not PG_BINS:
+    """A throwaway cluster on a loopback port with a password, a database for the runs and one for the accounts:
+    its URIs (uri, auth_uri), stop(), start(), restart()."""
+    if not TEAM.PG_BINS:
         _missing("PostgreSQL is not installed (/usr/lib/postgresql/<version>/bin); apt-get install postgresql")
     if os.geteuid() == 0 and not shutil.which("runuser"):
         _missing("running as root without runuser to start PostgreSQL as the postgres user")
-    pg = Path(PG_BINS[-1])
-    root = Path(tempfile.mkdtemp(prefix="ampbench-pg-"))  # not under pytest's 0700 folder: postgres must reach it
-    data, sock, pwfile = root / "data", root / "sock", root / "pw"
-    sock.mkdir()
-    pwfile.write_text(PASSWORD + "\n")
-    if os.geteuid() == 0:
-        shutil.chown(root, "postgres")
-        for p in (sock, pwfile):
-            shutil.chown(p, "postgres")
-        root.chmod(0o755)
-    port = _free_port()
-    subprocess.run(_as_postgres([str(pg / "initdb"), "-D", str(data), "-U", "postgres", "--auth=scram-sha-256",
-                                 f"--pwfile={pwfile}", "-E", "UTF8", "--no-locale"]),
-                   check=True, capture_output=True, timeout=120)
-    subprocess.run(_as_postgres([str(pg / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-o",
-                                 f"-p {port} -k {sock} -c listen_addresses=127.0.0.1", "start"]),
-                   check=True, capture_output=True, timeout=120)
+    cluster = TEAM.Cluster(PASSWORD)
     try:
-        env = {**os.environ, "PGPASSWORD": PASSWORD}
-        for db in ("mlflow", "mlflow_auth"):  # the runs; the accounts and their rights (basic-auth's own)
-            subprocess.run([str(pg / "createdb"), "-h", "127.0.0.1", "-p", str(port), "-U", "postgres", db],
-                           check=True, capture_output=True, env=env, timeout=60)
-        yield SimpleNamespace(uri=f"postgresql://postgres:{PASSWORD}@127.0.0.1:{port}/mlflow", port=port,
-                              auth_uri=f"postgresql://postgres:{PASSWORD}@127.0.0.1:{port}/mlflow_auth",
-                              stop=lambda: subprocess.run(_as_postgres([str(pg / "pg_ctl"), "-D", str(data), "-m",
-                                                                        "fast", "stop"]), capture_output=True,
-                                                          timeout=120))
+        yield cluster
     finally:
-        subprocess.run(_as_postgres([str(pg / "pg_ctl"), "-D", str(data), "-m", "fast", "stop"]),
-                       capture_output=True, timeout=120)
-        shutil.rmtree(root, ignore_errors=True)
-
-
-ADMIN, ALICE, BOB = "admin-pw-team-1", "alice-pw-team-1", "bob-pw-team-12"  # every password the test gives
-SECRETS = (PASSWORD, ADMIN, ALICE, BOB)
-
-
-def _certificate(folder: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for 127.0.0.1 (its own CA), and its key: the test's private CA."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
-    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (folder / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                       serialization.NoEncryption()))
-    (folder / "key.pem").chmod(0o600)
-    return folder / "cert.pem", folder / "key.pem"
-
-
-def _cli(*args: str, env: dict, stdin: str = "") -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ampbench.cli", *args], env=env, input=stdin, capture_output=True,
-                          text=True, timeout=300)
+        cluster.close()
 
 
 def _passwords_in_command_lines() -> list[str]:
@@ -141,38 +86,44 @@ def server(postgres, tmp_path_factory):
     """`ampbench team-server` as docs/team.md starts it: basic-auth on the cluster (accounts in a database of
     their own), TLS with the test's certificate, artifacts served from its own folder; the databases' URIs and the
     admin's first password in the environment. Then, as the doc's admin: alice with EDIT on experiment `team`, bob
-    with READ. (its https:// URI, the artifacts' folder, the CA's file, an environment per account)"""
-    folder = tmp_path_factory.mktemp("server")
-    cert, key = _certificate(folder)
-    port = _free_port()
-    artifacts = folder / "artifacts"
-    log = (folder / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "ampbench.cli", "team-server", "--artifacts", str(artifacts),
-                             "--host", "127.0.0.1", "--port", str(port), "--workers", "1", "--tls-cert", str(cert),
-                             "--tls-key", str(key)],
-                            env={**sandbox.env_with_venv(), "MLFLOW_BACKEND_STORE_URI": postgres.uri,
-                                 "AMPBENCH_AUTH_DATABASE_URI": postgres.auth_uri,
-                                 "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"https://127.0.0.1:{port}"
+    with READ. (its https:// URI, the artifacts' folder, the CA's file, an environment per account, the server)"""
+    team = TEAM.TeamServer(tmp_path_factory.mktemp("server"), postgres, ADMIN, workers=1)
     try:
-        deadline = time.time() + 180
-        while "serving https://" not in (folder / "server.log").read_text():
-            assert proc.poll() is None and time.time() < deadline, (folder / "server.log").read_text()[-3000:]
-            time.sleep(0.5)
         assert not _passwords_in_command_lines()  # the server's processes, started
-        client = {**sandbox.env_with_venv(), "MLFLOW_TRACKING_URI": base, "MLFLOW_TRACKING_SERVER_CERT_PATH": str(cert)}
-        accounts = {name: {**client, "MLFLOW_TRACKING_USERNAME": name, "MLFLOW_TRACKING_PASSWORD": pw}
-                    for name, pw in (("admin", ADMIN), ("alice", ALICE), ("bob", BOB))}
+        accounts = {name: team.client_env(name, pw) for name, pw in (("admin", ADMIN), ("alice", ALICE), ("bob", BOB))}
         for name, right, pw in (("alice", "EDIT", ALICE), ("bob", "READ", BOB)):  # the doc's commands
-            made = _cli("team-user", name, "--permission", right, "--experiment", "team", env=accounts["admin"],
-                        stdin=pw + "\n")
-            assert made.returncode == 0 and f"account {name} made: {right}" in made.stdout, made.stderr[-2000:]
-        yield SimpleNamespace(base=base, artifacts=artifacts, cert=cert, anonymous=client, **accounts)
+            assert f"account {name} made: {right}" in TEAM.team_user(accounts["admin"], name, pw, "team", right)
+        yield SimpleNamespace(base=team.base, artifacts=team.artifacts, cert=team.cert, anonymous=team.client_env(),
+                              team=team, **accounts)
     finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=60)
-        log.close()
+        team.stop()
+
+
+@contextlib.contextmanager
+def _as_admin(server):
+    """This process's MLflow client acting as the server's admin, until the block ends."""
+    with pytest.MonkeyPatch.context() as admin:
+        for name in TRACKING:
+            admin.setenv(name, server.admin[name])
+        yield admin
+
+
+def _account(server, name: str, password: str, experiment: str, right: str = "EDIT") -> dict:
+    """`ampbench team-user NAME --permission RIGHT --experiment EXPERIMENT` as the admin, in this process (the
+    password on standard input); the account's environment."""
+    import argparse
+    import io
+
+    from ampbench.tracking.server import team_user
+    with _as_admin(server) as admin:
+        admin.setattr(sys, "stdin", io.StringIO(password + "\n"))
+        team_user(argparse.Namespace(name=name, permission=right, experiment=experiment, new_password=False))
+    return server.team.client_env(name, password)
+
+
+def _cli(*args: str, env: dict, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ampbench.cli", *args], env=env, input=stdin, capture_output=True,
+                          text=True, timeout=300)
 
 
 MACHINES = {"a": {"cpu_model": "Team machine A (test)", "driver": "580.65.06"},
@@ -226,14 +177,7 @@ def test_a_team_logs_to_an_authenticated_tls_server_with_one_account_each_and_co
     assert not seen, seen
     assert list(server.artifacts.rglob("metrics.json"))  # artifacts went through the server, to its folder
 
-    with pytest.MonkeyPatch.context() as admin:  # `ampbench team-user bob --permission EDIT`, in this process
-        import argparse
-
-        from ampbench.tracking.server import team_user
-        for name in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_SERVER_CERT_PATH", "MLFLOW_TRACKING_USERNAME",
-                     "MLFLOW_TRACKING_PASSWORD"):
-            admin.setenv(name, server.admin[name])
-        team_user(argparse.Namespace(name="bob", permission="EDIT", experiment="team", new_password=False))
+    _account(server, "bob", BOB, "team")  # `ampbench team-user bob --permission EDIT`, in this process
     assert "account bob existed: EDIT" in capsys.readouterr().out
     synced = subprocess.run([sys.executable, "-m", "ampbench.cli", "mlflow-sync"], cwd=repos["b"], env=server.bob,
                             capture_output=True, text=True, timeout=300)
@@ -288,6 +232,10 @@ def test_a_database_that_is_down_or_refuses_us_fails_fast_without_printing_its_p
     wrong = postgres.uri.replace(PASSWORD, "not-the-password")
     problem = env.check_tracking_server(wrong)
     assert problem and "password authentication failed" in problem and "not-the-password" not in problem
+    from ampbench.tracking.server import database_problem  # what `ampbench team-server` asks before it starts
+    assert database_problem(postgres.uri) is None and "~/.pgpass" in database_problem(wrong)
+    assert "not-the-password" not in database_problem(wrong)
+    assert "create it (`createdb nothere`" in database_problem(postgres.uri.replace("/mlflow", "/nothere"))
     (tmp_path / "params.yaml").write_text("device: cpu\nmlflow: {experiment: team}\n")
     r = tmp_path / "reports"
     check = [sys.executable, str(REPO_ROOT / "stages" / "env_check.py"), "--params", "params.yaml", "--env",
@@ -303,3 +251,82 @@ def test_a_database_that_is_down_or_refuses_us_fails_fast_without_printing_its_p
     problem = env.check_tracking_server(base)
     assert problem and problem.startswith("answers, but not for its runs (HTTP 5") and "database" in problem
     assert PASSWORD not in problem
+    t0 = time.monotonic()  # a server started while its database is down: one line naming it and the fix, at once
+    down = _cli("team-server", "--artifacts", str(tmp_path / "artifacts"), "--host", "127.0.0.1", "--port",
+                str(TEAM.free_port()), "--no-tls", env={**sandbox.env_with_venv(), "MLFLOW_BACKEND_STORE_URI":
+                                                        postgres.uri, "AMPBENCH_AUTH_DATABASE_URI": postgres.auth_uri,
+                                                        "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN})
+    took = time.monotonic() - t0
+    postgres.start()  # back, for the server and the tests after this one
+    [line] = down.stderr.strip().splitlines()
+    assert down.returncode == 2 and not down.stdout and took < 30, (took, down.stdout, down.stderr)
+    assert line.startswith(f"error: the tracking database postgresql://postgres:***@127.0.0.1:{postgres.port}/mlflow "
+                           "(MLFLOW_BACKEND_STORE_URI) does not take a connection: ") and "Connection refused" in line
+    assert line.endswith("start it, or point the URI at the database that runs; the server was not started")
+    assert PASSWORD not in line and ADMIN not in line
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """One machine's results, made in this process: two variants of the small CNN, no model, no report."""
+    return TEAM.quick_results(tmp_path_factory.mktemp("made"))
+
+
+@pytest.mark.slow
+def test_three_machines_log_at_once_through_a_server_restart_and_the_replay_leaves_each_run_once(server, postgres,
+                                                                                                 made, tmp_path):
+    """The load benchmark's smallest round: 3 machines, each with its account, sync at once; the server is stopped
+    with SIGTERM mid-log and started again. Each failure is said in one line naming the cause; the replay logs
+    the rest; the store holds each run whole exactly once, nothing partial."""
+    accounts = [(f"load-{k}", f"load-pw-team-{k}") for k in (1, 2, 3)]
+    for name, pw in accounts:
+        _account(server, name, pw, "load")
+    with _as_admin(server):  # the census reads as the admin
+        r = LOAD.load_round(3, server.team, postgres, made, tmp_path, accounts, "load", restart_db=False, twin=False)
+    assert r["faults"][0]["writers_running"] >= 1, r["faults"]  # the restart came while they wrote
+    assert (r["expected"], r["whole_once"], r["duplicates"], r["partial"], r["retired_finished"]) == (6, 6, 0, 0, 0), r
+    first, replay = r["first_sync"], r["replay"]
+    assert set(first["exit_codes"]) <= {0, 1} and replay["exit_codes"] == [0, 0, 0], r
+    assert first["logged_new"] + replay["logged_new"] == 6 and replay["failed"] == 0, r
+    said = (r"the server (did not answer \(connection refused after \d+ retries\): is it running\?|closed the "
+            r"connection mid-request after \d+ retries \(it stopped or restarted\?\))$")
+    assert all(re.match(said, why) for why in first["causes"]), first["causes"]
+    assert sum(first["causes"].values()) == first["failed"], first["causes"]
+
+
+@pytest.mark.slow
+def test_a_full_artifact_disk_fails_the_log_in_one_line_and_the_replay_completes_once_there_is_room(server, made,
+                                                                                                 tmp_path):
+    """The server's artifact folder for the experiment a 4 KiB tmpfs: each run's upload fails, the sync says why
+    in one line (no traceback) and keeps the results on disk; with room again, the replay logs each run once."""
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is a 4 KiB tmpfs here, and mounting one needs root (CI runs as root)")
+    env = {**_account(server, "carol", "carol-pw-team-1", "full"), "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "0"}
+    with _as_admin(server):
+        from mlflow.tracking import MlflowClient
+        client = MlflowClient(server.base)
+        disk = server.artifacts / client.get_experiment_by_name("full").experiment_id
+        disk.mkdir(parents=True, exist_ok=True)
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "ampbench-full", str(disk)],
+                                 capture_output=True, text=True)
+        if mounted.returncode:
+            pytest.skip(f"could not mount a tmpfs: {mounted.stderr.strip()}")
+        try:
+            keys = LOAD.as_machine(made, tmp_path / "m", "Full machine (test)", "full")
+            full = subprocess.run([sys.executable, "-m", "ampbench.cli", "mlflow-sync"], cwd=tmp_path / "m", env=env,
+                                  capture_output=True, text=True, timeout=300)
+            pending = list((tmp_path / "m" / ".ampbench" / "mlflow-pending").glob("train@*"))  # kept, for the replay
+            subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)  # room again
+            replay = subprocess.run([sys.executable, "-m", "ampbench.cli", "mlflow-sync"], cwd=tmp_path / "m",
+                                    env=env, capture_output=True, text=True, timeout=300)
+            found = LOAD.census(client, "full", {"Full machine (test)": keys})
+        finally:
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+    warnings = [line for line in full.stdout.splitlines() if line.startswith("warning:")]
+    assert full.returncode == 1 and len(warnings) == 2 and "Traceback" not in full.stdout + full.stderr, full.stdout
+    said = (r"warning: MLflow logging of train@\w+ failed \(the server could not store [\w.]+ \(HTTP 500 after \d+ "
+            r"retries\): is its artifact disk full or not writable\? its log says which\); the results are on disk")
+    assert all(re.match(said, w) for w in warnings), warnings
+    assert len(pending) == 2 and (tmp_path / "m" / "reports" / "runs" / "fp32" / "metrics.json").is_file()
+    assert replay.returncode == 0 and replay.stdout.count("MLflow: logged train@") == 2, replay.stdout
+    assert (found["expected"], found["whole_once"], found["duplicates"], found["partial"]) == (2, 2, 0, 0), found

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -54,6 +55,9 @@ def demo(dest: Path, arch: str = "", nproc: int = 1, ladder: bool = False, optim
 
 
 def mlflow_sync(args) -> None:
+    # a sync replays what a server's outage left: it waits out a restart (up to about a minute: retries after 2, 4,
+    # 8, 16 and 32 s), where a stage, whose results are on disk already, gives up after seconds
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "6")
     from ampbench import tracking
     cfg = config.load(args.params)
     r = Path(args.reports)

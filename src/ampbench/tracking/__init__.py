@@ -145,8 +145,7 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
         if is_whole(partial, key, status):  # another writer of the same results completed it since the look above
             return partial.info.run_id, False
         _delete(client, exp_id, partial.info.run_id)
-    # no password reaches the store (a URI in a command line, say): redacted as every printed line is
-    tags = {**{k: redact_text(str(v)) for k, v in tags.items() if v is not None}, PENDING_TAG: key,
+    tags = {**{k: redact_text(str(v)) for k, v in tags.items() if v is not None}, PENDING_TAG: key,  # no password
             runkeys.SLOT_TAG: slot, runkeys.ATTEMPT_TAG: tried}
     rid = client.create_run(exp_id, start_time=start_ms, run_name=run_name, tags=tags).info.run_id
     try:
@@ -188,9 +187,11 @@ def log_run(cfg: MlflowConfig, repo_root: Path, *, run_name: str, key: str, para
             client.set_terminated(rid, "FAILED")
         raise
     kept = complete_run(client, exp_id, key, status)  # another writer of the same results may have finished too
-    if kept is None:  # this run was retired under it (another writer took it for a partial one), and no other is
-        raise RunRemoved(f"the run of {run_name} was removed while it was logged (by another writer of the same "
-                         "results?); nothing of it is kept")
+    if kept is None:  # retired under it by another writer, which took it for a partial one: its retirement made
+        _delete(client, exp_id, rid)  # whole (keyless, FAILED), the other writer's run awaited
+        if (kept := runkeys.await_whole(client, exp_id, key, status)) is None:
+            raise RunRemoved(f"the run of {run_name} was removed while it was logged (by another writer of the same "
+                             "results?), and no other run of them was completed; log them again")
     if kept != rid:
         _delete(client, exp_id, rid)
         return kept, False

@@ -61,8 +61,51 @@ def cause(err: BaseException, experiment: str = "") -> str | None:
 
 
 def describe(err: BaseException, experiment: str = "") -> str:
-    """``cause`` if there is one, else the error's type and first line."""
-    return cause(err, experiment) or redact_text(first_line(err))
+    """``cause`` if there is one, else what a request MLflow's client gave up on means (``gave_up``), else the
+    error's type and first line."""
+    return cause(err, experiment) or gave_up(err) or redact_text(first_line(err))
+
+
+def gave_up(err: BaseException) -> str | None:
+    """A request MLflow's client gave up on after its retries, in one line: the server not answering, a
+    connection it cut, or an HTTP 5xx answer; a file it could not store names the likely cause, a disk that is full
+    or not writable (the server's log says which). None for any other error. The whole chain is read: a
+    LoggedModel's failure reaches here wrapped, its text cut short."""
+    import re
+    from urllib.parse import urlsplit
+    text = " ".join(str(e) for e in _chain(err))
+    asked = re.search(r"API request to (\S+) failed with (?:timeout )?exception", text)
+    if not asked:
+        return None
+    path = urlsplit(asked.group(1)).path
+    tries = f"after {_retries()} retries"
+    code = re.search(r"too many (\d{3}) error responses", text)
+    if code and "/mlflow-artifacts/artifacts/" in path:
+        return (f"the server could not store {path.rsplit('/', 1)[-1]} (HTTP {code.group(1)} {tries}): is its "
+                "artifact disk full or not writable? its log says which")
+    if code:
+        return (f"the server answered HTTP {code.group(1)} to {path} {tries}: is its database up? its log says why")
+    if "Connection refused" in text or "NewConnectionError" in text:
+        return f"the server did not answer (connection refused {tries}): is it running?"
+    if any(w in text for w in ("RemoteDisconnected", "Connection aborted", "Connection reset", "ConnectionReset")):
+        return f"the server closed the connection mid-request {tries} (it stopped or restarted?)"
+    if "timed out" in text or "Timeout" in text:
+        return f"the server did not answer in time {tries}"
+    return None
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    """``err`` and the errors it was raised from."""
+    out: list[BaseException] = []
+    while err is not None and err not in out:
+        out.append(err)
+        err = err.__cause__ or err.__context__
+    return out
+
+
+def _retries() -> int:
+    from mlflow.environment_variables import MLFLOW_HTTP_REQUEST_MAX_RETRIES
+    return MLFLOW_HTTP_REQUEST_MAX_RETRIES.get()
 
 
 def check_server(uri: str, timeout: float, experiment: str = "") -> str | None:

@@ -27,6 +27,7 @@ from ampbench import results
 from ampbench.config import MlflowConfig, tracking_uri
 from ampbench.measure.stats import mean_ci
 from ampbench.tracking import _experiment_id, _metric_value, complete_run, file_key
+from ampbench.tracking.runkeys import RETIRED_TAG
 
 # The report's ratios, logged onto each variant's training run. MLflow gives a client no say in the order of
 # columns or chart sections: its UI sorts metric names by character code, so an upper-case section comes before
@@ -107,7 +108,7 @@ def collect(client: MlflowClient, experiment_id: str) -> dict:
                                   page_token=token)
         for run in page:
             tags, params, m = run.data.tags, run.data.params, run.data.metrics
-            if run.info.status != "FINISHED" or "imgs_per_s" not in m:
+            if run.info.status != "FINISHED" or "imgs_per_s" not in m or RETIRED_TAG in tags:  # (a duplicate)
                 continue
             config = tuple((k, params.get(k, "")) for k in CONFIG) + (("data", _dataset(run)),)
             out[config][_machine(tags)][tags.get("variant", "?")].append({

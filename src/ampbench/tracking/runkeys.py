@@ -155,6 +155,21 @@ def complete_run(client: MlflowClient, exp_id: str, key: str, status: str | None
     return first.info.run_id
 
 
+WAIT_S = 60.0  # how long a log whose run another writer retired waits for that writer's whole run
+
+
+def await_whole(client: MlflowClient, exp_id: str, key: str, status: str | None = None) -> str | None:
+    """The whole run of ``key`` once one appears within ``WAIT_S`` (another writer of the same results, which took
+    this writer's run for a partial one, finishing its own); None if none does."""
+    import time
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        found = complete_run(client, exp_id, key, status)
+        if found is not None or time.monotonic() > deadline:
+            return found
+        time.sleep(min(2.0, WAIT_S / 10))
+
+
 RETIRED_TAG = "ampbench.retired"  # a partial or duplicate run an account without MANAGE could not delete
 
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ampbench.config import redact
+from ampbench.config import one_line, redact, redact_text
 from ampbench.errors import ConfigError, stop_with_parent
 
 STORE_ENV = "MLFLOW_BACKEND_STORE_URI"  # MLflow's own: `mlflow server` reads its --backend-store-uri from it
@@ -122,6 +122,34 @@ def auth_ini(folder: Path, database_uri: str, default_permission: str, cache_s: 
     return path
 
 
+SERVER_DATABASES = ("postgresql", "mysql", "mssql")  # a store reached over the network (not a SQLite file)
+
+
+def database_problem(uri: str, timeout: float = 5) -> str | None:
+    """Why the database at ``uri`` takes no connection, and the fix, in words; None where it takes one (or is a
+    SQLite file). Asked before MLflow's server starts: MLflow retries for about 100 s, then prints a traceback."""
+    if uri.split(":", 1)[0].split("+", 1)[0] not in SERVER_DATABASES:
+        return None
+    import sqlalchemy  # MLflow's own dependency: its database store is SQLAlchemy's
+    try:
+        engine = sqlalchemy.create_engine(uri, connect_args={"connect_timeout": int(max(1, timeout))})
+        try:
+            with engine.connect():
+                return None
+        finally:
+            engine.dispose()
+    except Exception as err:  # a missing driver, a refused connection, a bad password: one line either way
+        lines = str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__]
+        why = redact_text(one_line(lines[0]))
+    if "does not exist" in why:
+        fix = f"create it (`createdb {uri.rsplit('/', 1)[-1].split('?')[0]}` as a PostgreSQL user that may)"
+    elif "password authentication failed" in why or "Access denied" in why:
+        fix = "put this user's password for it in ~/.pgpass (mode 0600), or in the URI"
+    else:
+        fix = "start it, or point the URI at the database that runs"
+    return f"{why}: {fix}"
+
+
 def team_server(args) -> None:
     """The team's tracking server: MLflow's basic-auth app (an account per person or machine, rights per
     experiment), TLS through uvicorn, artifacts served, the databases' URIs from the environment."""
@@ -153,6 +181,11 @@ def team_server(args) -> None:
     for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key)):
         if path and not Path(path).is_file():
             raise ConfigError(f"{flag} {path}: no such file")
+    for what, var, uri in (("tracking database", STORE_ENV, store), ("database of accounts", AUTH_DB_ENV, auth_db)):
+        problem = database_problem(uri)
+        if problem:
+            raise ConfigError(f"the {what} {redact(uri)} ({var}) does not take a connection: {problem}; the server "
+                              "was not started")
     Path(args.artifacts).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ampbench-auth-") as private:  # 0700
         env = {**{k: v for k, v in tracking.server_env().items() if k != AUTH_DB_ENV}, STORE_ENV: store,
