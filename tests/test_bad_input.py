@@ -16,7 +16,13 @@ from tests.test_config import BAD, SOURCE_BAD, _set
 CASES = [(f"{k}={v!r}", k, v, words) for k, v, words in BAD] + [
     ("empty file", None, None, ["params.yaml is empty"]),
     ("broken YAML", None, "train:\n  epochs: [1,\n", ["broken YAML at line"]),
-    ("not a mapping", None, "- 1\n- 2\n", ["is not a mapping"]),
+    ("not a mapping", None, "- 1\n- 2\n", ["params.yaml is not a mapping (it holds [1, 2])", "write it as sections"]),
+    ("a byte that is not UTF-8", None, b"seed: 0\ndevice: caf\xe9\n", ["line 2, column 12", "0xe9", "as UTF-8"]),
+    ("UTF-16", None, "seed: 0\n".encode("utf-16"), ["line 1, column 1", "0xff", "save the file as UTF-8"]),
+    ("nested too deeply", None, "seed: " + "[" * 5000 + "]" * 5000 + "\n", ["line 1", "nested too deeply"]),
+    ("a key twice", None, "seed: 0\ndevice: cpu\nseed: 1\n", ["line 3: key 'seed' is written twice", "line 1"]),
+    ("a NUL", None, "seed: 0\ndevice: c\0pu\n", ["broken YAML at line 2", "special characters"]),
+    ("a key with a line break", "train.a\nb", 1, ["unknown key 'train.a\\nb'"]),
 ]
 
 
@@ -38,7 +44,7 @@ def test_bad_params_exit_2_with_one_line_and_change_nothing(tmp_path, monkeypatc
         _set(params, key, value)
         text = yaml.safe_dump(params)
     else:
-        text = value or ""
+        text = value or ""  # str or bytes
     _assert_rejected(tmp_path, monkeypatch, capsys, text, words)
 
 
@@ -94,13 +100,13 @@ def test_a_model_with_parameters_its_loss_does_not_use_under_ddp_exits_2(tmp_pat
                       "set distributed.find_unused_parameters: true"])
 
 
-def _assert_rejected(tmp_path, monkeypatch, capsys, text: str, words: list[str]) -> str:
+def _assert_rejected(tmp_path, monkeypatch, capsys, text: str | bytes, words: list[str]) -> str:
     """env_check on ``text``: exit 2, one line holding ``words``, no traceback, reports/ and data/ untouched."""
     for rel, content in {"reports/env.json": "{}\n", "reports/plans/fp32.json": "{}\n",
                          "data/prepared/meta.json": "{}\n"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(content)
-    (tmp_path / "params.yaml").write_text(text)
+    (tmp_path / "params.yaml").write_bytes(text if isinstance(text, bytes) else text.encode())
     before = _snapshot(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["env_check.py", "--params", "params.yaml", "--env", "reports/env.json",
@@ -129,6 +135,27 @@ def test_a_huge_bad_value_is_quoted_in_a_line_s_worth(tmp_path, monkeypatch, cap
     _set(params, key, "HUGE")  # written in place: yaml's pure-Python emitter takes seconds over 10 MB
     text = yaml.safe_dump(params).replace("HUGE", "x" * 10_000_000)
     err = _assert_rejected(tmp_path, monkeypatch, capsys, text, [key, "(10,000,000 characters)"])
+    assert len(err) < 600, err[:1000]
+
+
+@pytest.mark.parametrize("key", ["model.weights", "data.archive", "data.path"])
+def test_a_path_longer_than_the_file_system_allows_is_refused_in_one_line(tmp_path, monkeypatch, capsys,
+                                                                          real_params, key):
+    """A name the file system cannot look up (ENAMETOOLONG): once an OSError's traceback from Path.is_file."""
+    params = copy.deepcopy(real_params)
+    source = {"data.archive": "cifar10", "data.path": "folder"}.get(key, "synthetic")
+    for k, v in {"device": "cpu", "model.arch": "small_cnn", "data.source": source, key: "x" * 300}.items():
+        _set(params, k, v)
+    _assert_rejected(tmp_path, monkeypatch, capsys, yaml.safe_dump(params), [key, "(300 characters)"])
+
+
+def test_an_alias_bomb_is_quoted_in_a_line_s_worth(tmp_path, monkeypatch, capsys):
+    """Aliases nested six deep stand for half a million values: the refusal quotes their start, not all of them
+    (nine deep, the whole quote would be billions of characters, written for minutes)."""
+    bomb = ", ".join(["&b0 [x, x, x, x, x, x, x, x, x]"] + [f"&b{i} [" + ", ".join([f"*b{i - 1}"] * 9) + "]"
+                                                             for i in range(1, 6)])
+    err = _assert_rejected(tmp_path, monkeypatch, capsys, f"device: cpu\nseed: [{bomb}]\n",
+                           ["seed = [[", "is not an integer"])
     assert len(err) < 600, err[:1000]
 
 

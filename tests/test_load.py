@@ -74,3 +74,20 @@ def test_each_copy_of_the_results_is_a_machine_with_keys_of_its_own(tmp_path):
     assert json.loads((tmp_path / "2" / "reports" / "env.json").read_text())["cpu_model"] == "Machine 2"
     assert yaml.safe_load((tmp_path / "2" / "params.yaml").read_text())["mlflow"]["experiment"] == "load"
     assert one[0][2] is False  # no model.pt in the folder: no LoggedModel due
+
+
+def test_mlflow_sync_waits_out_a_server_restart_unless_the_user_set_the_retries(tmp_mlflow, tmp_path, monkeypatch):
+    """A stage gives up after 3 retries (seconds): its results are on disk. `ampbench mlflow-sync` replays what an
+    outage left, so it retries 6 times (about a minute: a team server restarts in 15 to 30 s,
+    benchmarks/results/load.md), unless MLFLOW_HTTP_REQUEST_MAX_RETRIES was the user's own."""
+    import argparse
+    import os
+
+    from ampbench import cli, tracking
+    args = argparse.Namespace(params=str(tmp_path / "params.yaml"), reports=str(tmp_path / "reports"))
+    (tmp_path / "params.yaml").write_text("mlflow: {}\n")
+    for given, expected in ((False, "6"), (True, "3")):
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
+        monkeypatch.setattr(tracking, "RETRIES_GIVEN", given)
+        cli.mlflow_sync(args)
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == expected

@@ -55,10 +55,10 @@ def demo(dest: Path, arch: str = "", nproc: int = 1, ladder: bool = False, optim
 
 
 def mlflow_sync(args) -> None:
-    # a sync replays what a server's outage left: it waits out a restart (up to about a minute: retries after 2, 4,
-    # 8, 16 and 32 s), where a stage, whose results are on disk already, gives up after seconds
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "6")
     from ampbench import tracking
+    if not tracking.RETRIES_GIVEN:  # a sync replays what a server's outage left: it waits out a restart (about a
+        os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "6"  # minute: retries after 2, 4, 8, 16, 32 s), where a
+        # stage, whose results are on disk already, gives up after seconds (MLflow reads it at each request)
     cfg = config.load(args.params)
     r = Path(args.reports)
     failed = tracking.sync(cfg.mlflow, Path.cwd(), r / "runs", r / "plans", r / "env.json", r / "report.md",

@@ -38,5 +38,5 @@ from ampbench.config.schema import (  # noqa: F401  # noqa: F401  the underscore
     variant_world,
 )
 from ampbench.config.uri import one_line, project_root, redact, redact_text, tracking_uri  # noqa: F401
-from ampbench.config.validate import from_dict, load, micro_batch  # noqa: F401
+from ampbench.config.validate import from_dict, load, micro_batch, path_is  # noqa: F401
 from ampbench.errors import ConfigError  # noqa: F401  what every refusal raises

@@ -3,8 +3,11 @@ older params.yaml migrated; every refusal one ``ConfigError`` line naming the ke
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import re
+import reprlib
 import sys
 import types
 import typing
@@ -30,8 +33,15 @@ _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str:
 _VARIANT_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
 
 
+# a list or mapping quoted in a refusal: its first values, one level deep (an alias bomb's repr would be billions long)
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 1, 60, 60
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 8
+
+
 def _where(path: str, value: Any) -> str:
-    return f"params.yaml: {path} = {value!r}"
+    shown = _SHORT.repr(value) if isinstance(value, list | tuple | dict | set) else repr(value)
+    return f"params.yaml: {path} = {shown}"
 
 
 def _check_scalar(path: str, value: Any, typ: Any, meta: dict) -> Any:
@@ -46,6 +56,8 @@ def _check_scalar(path: str, value: Any, typ: Any, meta: dict) -> Any:
     ok = isinstance(value, typ) and (typ is bool or not isinstance(value, bool))
     if not ok:
         raise ConfigError(f"{_where(path, value)} is not {_TYPE_NAMES[typ]}; set it to {_TYPE_NAMES[typ]}")
+    if typ is float and not math.isfinite(value):  # YAML's .nan and .inf: every range check passes a NaN
+        raise ConfigError(f"{_where(path, value)} is not a finite number; set it to a number")
     choices = meta.get("choices")
     choices = choices() if callable(choices) else choices  # a registry's names, read when checked
     if choices and not any(value == c and type(value) is type(c) for c in choices):
@@ -65,6 +77,9 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     """Build dataclass ``cls`` from ``raw``, checking keys, types and ranges."""
     if raw is None:
         raw = {}
+    if not isinstance(raw, dict) and not path:  # the file itself
+        raise ConfigError(f"params.yaml is not a mapping (it holds {_SHORT.repr(raw)}); write it as sections, e.g. "
+                          "'train:' followed by indented keys, as the committed params.yaml does")
     if not isinstance(raw, dict):
         raise ConfigError(f"{_where(path, raw)} is not a mapping; write it as '{path}:' followed by indented keys")
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -72,7 +87,7 @@ def _build(cls: type, raw: Any, path: str) -> Any:
     for key in raw:
         if key not in fields:
             name = f"{path}.{key}" if path else str(key)
-            raise ConfigError(f"params.yaml: unknown key '{name}'; allowed here: {', '.join(fields)}")
+            raise ConfigError(f"params.yaml: unknown key {name!r}; allowed here: {', '.join(fields)}")
     values = {}
     for name, f in fields.items():
         if name not in raw:
@@ -106,8 +121,8 @@ def _check_list(path: str, value: Any, typ: type, meta: dict) -> tuple:
 
 def _build_variants(raw: Any, path: str) -> dict[str, Variant]:
     if not isinstance(raw, dict) or not raw:
-        raise ConfigError(f"{_where(path, raw)} must be a non-empty mapping of name -> "
-                          "{precision, accum_steps}, e.g. 'fp32: {precision: fp32, accum_steps: 1}'")
+        raise ConfigError(f"{_where(path, raw)} is not a non-empty mapping of name -> {{precision, accum_steps}}; "
+                          "write one variant a line, e.g. 'fp32: {precision: fp32, accum_steps: 1}'")
     out = {}
     for name, spec in raw.items():
         if not isinstance(name, str) or not _VARIANT_NAME.match(name):
@@ -115,6 +130,16 @@ def _build_variants(raw: Any, path: str) -> dict[str, Variant]:
                               "'_' or '-', starting with a letter")
         out[name] = _build(Variant, spec, f"{path}.{name}")
     return out
+
+
+def path_is(path: str | Path, kind: str) -> bool:
+    """Whether ``path``, a path params.yaml names, is a ``kind`` ("file", "folder" or "any") there; False for one the
+    file system cannot look up (a name longer than it allows), which Path's own checks raise on."""
+    try:
+        path = Path(path)
+        return path.is_file() if kind == "file" else path.is_dir() if kind == "folder" else path.exists()
+    except (OSError, ValueError):  # ENAMETOOLONG; a NUL in the name
+        return False
 
 
 def micro_batch(batch_size: int, world: int, accum_steps: int, variant: str = "") -> int:
@@ -242,16 +267,64 @@ def from_dict(raw: Any) -> Config:
     return cfg
 
 
+class _Twice(yaml.YAMLError):
+    """A key written twice in one mapping: (the key, the line of each)."""
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key written twice in one mapping (yaml itself keeps the last one silently, so
+    an edit above a forgotten line would be ignored)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # << merges keys an explicit key may override
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            with contextlib.suppress(TypeError):  # an unhashable key: the base class says so
+                if key in seen:
+                    raise _Twice(key, seen[key] + 1, key_node.start_mark.line + 1)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def _parse(path: Path) -> Any:
+    """params.yaml's bytes as YAML, or a ConfigError naming where in the file it breaks and the fix."""
+    blob = path.read_bytes()
+    try:
+        text = blob.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = blob.count(b"\n", 0, err.start) + 1
+        column = err.start - blob.rfind(b"\n", 0, err.start)
+        raise ConfigError(f"{path}: line {line}, column {column} holds the byte 0x{blob[err.start]:02x}, which is not "
+                          "UTF-8; save the file as UTF-8") from None
+    loader = None
+    try:
+        loader = _Loader(text)  # its reader refuses a character YAML does not admit (a NUL) here
+        return loader.get_single_data()
+    except _Twice as err:
+        key, first, again = err.args
+        raise ConfigError(f"{path}: line {again}: key {key!r} is written twice in one mapping (first at line {first}); "
+                          "YAML would keep only the last: delete one of them") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = getattr(err, "position", None)  # a character YAML does not admit (a NUL) has a position, not a mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else \
+            f" at line {text.count(chr(10), 0, at) + 1}" if isinstance(at, int) else ""
+        problem = getattr(err, "problem", None) or getattr(err, "reason", None) or "not valid YAML"
+        raise ConfigError(f"{path}: broken YAML{where}: {problem}; fix the indentation or quoting there") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: line {loader.get_mark().line + 1}: a value is nested too deeply to read (lists or "
+                          "mappings inside each other, hundreds of levels); a value of params.yaml is at most a list: "
+                          "remove the nesting") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
 def load(path: str | Path = "params.yaml") -> Config:
     """Read and validate params.yaml."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file; run from the repository root, where params.yaml lives")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(err, "problem", None) or "not valid YAML"
-        raise ConfigError(f"{path}: broken YAML{where}: {problem}; fix the indentation or quoting there") from None
-    return from_dict(raw)
+    return from_dict(_parse(path))

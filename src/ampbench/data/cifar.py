@@ -25,7 +25,7 @@ from urllib.request import url2pathname
 
 import torch
 
-from ampbench.config import DataConfig
+from ampbench.config import DataConfig, path_is
 from ampbench.errors import ConfigError, DataError
 
 
@@ -72,7 +72,7 @@ def describe(cfg: DataConfig) -> dict:
     if cfg.sha256 and not re.fullmatch(r"[0-9a-fA-F]{64}", cfg.sha256):
         raise ConfigError(f"params.yaml: data.sha256 = {cfg.sha256!r} is not a SHA-256 checksum (64 hex digits); "
                           "give the archive's `sha256sum`, or set it to \"\"")
-    if cfg.archive and not Path(cfg.archive).is_file():
+    if cfg.archive and not path_is(cfg.archive, "file"):
         raise ConfigError(f"params.yaml: data.archive = {cfg.archive!r}: no such file; give the path of a local "
                           "copy of the archive, or set it to \"\" to download it")
     train, test = COUNTS
@@ -184,7 +184,8 @@ def _extract(archive: Path, dest: str, fmt: CifarFormat) -> None:
         raise DataError(f"the {fmt.label} archive {archive} is refused: {err}; use the official {fmt.archive}") \
             from None
     except (tarfile.TarError, EOFError, OSError) as err:
-        raise DataError(f"the {fmt.label} archive {archive} cannot be extracted ({type(err).__name__}: {err}); it is "
+        why = (str(err).splitlines() or [""])[0].rstrip(":")  # tarfile's "could not be opened" lists each method tried
+        raise DataError(f"the {fmt.label} archive {archive} cannot be extracted ({type(err).__name__}: {why}); it is "
                         f"not {fmt.archive}") from None
 
 

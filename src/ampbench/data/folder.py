@@ -33,7 +33,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from ampbench.config import DataConfig
+from ampbench.config import DataConfig, path_is
 from ampbench.errors import ConfigError, DataError
 
 # ImageFolder's (torchvision.datasets.folder.IMG_EXTENSIONS: a test keeps them equal, without importing torchvision
@@ -68,7 +68,7 @@ def scan(cfg: DataConfig) -> dict:
     """The classes, the image files of each split (or of the whole set) and the stray non-image files, without
     decoding any image."""
     root = Path(cfg.path)
-    if not root.is_dir():
+    if not path_is(root, "folder"):
         raise ConfigError(f"params.yaml: data.path = {cfg.path!r}: no such folder; give an image folder in "
                           f"ImageFolder layout ({LAYOUT})")
     split = _split_dirs(root)
@@ -113,6 +113,8 @@ def decode_image(path: Path, size: int) -> torch.Tensor:
     """One image as uint8 3 x size x size: converted to RGB (any mode), resized bilinearly."""
     try:
         with Image.open(path) as im:
+            if im.mode.startswith("I"):  # 16-bit greyscale: its high byte (PIL's RGB would clip its values at 255)
+                im = Image.fromarray((np.asarray(im, dtype=np.int64) >> 8).clip(0, 255).astype(np.uint8))
             im = im.convert("RGB").resize((size, size), Image.Resampling.BILINEAR)
     except Exception as err:  # PIL raises OSError mostly, but also ValueError, EOFError, struct.error, ...
         raise BadImage(str(err) or type(err).__name__) from None
@@ -129,9 +131,23 @@ def header_problem(path: Path) -> str | None:
     return None
 
 
+def shown(name: str) -> str:
+    """A file name fit for one line of a message: as it is, or with escapes for what would not print (a byte that is
+    not UTF-8, which Python holds as a surrogate, as \\xff; a line break as \\n)."""
+    if name.isprintable():
+        return name
+    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _key(text: str) -> bytes:
+    """A file name's bytes for a digest: the name's own bytes, UTF-8 or not."""
+    return text.encode("utf-8", "surrogateescape")
+
+
 def _named(items: list[str], where: str) -> str:
     more = f", and {len(items) - NAMED} more (all listed in {where})" if len(items) > NAMED else ""
-    return "; ".join(items[:NAMED]) + more
+    return "; ".join(shown(item) for item in items[:NAMED]) + more
 
 
 def bad_file_lines(skipped: dict, where: str = "reports/data_source.json") -> list[str]:
@@ -173,7 +189,7 @@ def describe(cfg: DataConfig, known: dict | None = None) -> dict:
     h = hashlib.sha256(f"Pillow {PIL.__version__}\n".encode())  # another Pillow may read other files
     for path, label in every:
         st = path.stat()
-        h.update(f"{_rel(path, cfg)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        h.update(_key(f"{_rel(path, cfg)}\0{label}\0{st.st_size}\0{st.st_mtime_ns}\n"))
     digest = h.hexdigest()
     if known and known.get("files_sha256") == digest and "unreadable" in known:
         unreadable = known["unreadable"]
@@ -254,7 +270,7 @@ def verify(cfg: DataConfig, seed: int, keep: bool) -> dict:
         _enough(cfg, len(fs), False)
         # the held-out images: the first by a seeded hash of each file's path, so adding, removing or fixing one
         # file moves at most one other image between the splits
-        rank = {i: hashlib.sha256(f"{seed}\0{_rel(f, cfg)}".encode()).digest() for i, (f, _) in enumerate(fs)}
+        rank = {i: hashlib.sha256(_key(f"{seed}\0{_rel(f, cfg)}")).digest() for i, (f, _) in enumerate(fs)}
         order = sorted(rank, key=rank.get)
         k = held_out_count(len(fs), cfg.test_size)
         for split, idx in (("train", sorted(order[k:])), ("test", sorted(order[:k]))):
@@ -325,8 +341,8 @@ class ImageFiles:
             try:
                 out[j] = decode_image(path, self.size)
             except BadImage as err:
-                raise DataError(f"{path} could not be read ({err}) though the data stage read it: it changed on "
-                                "disk during training; restore it and run `dvc repro` to resume from the "
+                raise DataError(f"{shown(str(path))} could not be read ({err}) though the data stage read it: it "
+                                "changed on disk during training; restore it and run `dvc repro` to resume from the "
                                 "checkpoint, or run `dvc repro` as it is to prepare the folder without it (training "
                                 "then starts over, on the new set)") from None
         return out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import psutil
 
-from ampbench.errors import EnvironmentMismatch
+from ampbench.errors import EnvironmentMismatch, first_line
 
 
 def queue_workers(root: Path) -> int:
@@ -52,7 +52,10 @@ def check_tracking_server(uri: str, timeout: float = 5.0, experiment: str = "") 
     if not uri.startswith(("http://", "https://")):
         return None
     from ampbench.tracking import access  # MLflow's client, its credentials and TLS settings
-    return access.check_server(uri.rstrip("/"), timeout, experiment)
+    try:
+        return access.check_server(uri.rstrip("/"), timeout, experiment)
+    except Exception as err:  # an answer MLflow's client cannot read (an empty body, JSON of another shape): said,
+        return f"answers what no MLflow server does ({first_line(err)})"  # as the store never stops a stage
 
 
 def _check_database(uri: str, timeout: float) -> str | None:

@@ -230,7 +230,12 @@ def check(cfg: ModelConfig, *, num_classes: int, image_size: int) -> dict:
     model = _make(cfg, num_classes, image_size, said=said)
     for line in said:
         print(line, flush=True)
-    x = torch.zeros(2, 3, image_size, image_size)
+    try:
+        x = torch.zeros(2, 3, image_size, image_size)
+    except (RuntimeError, TypeError) as err:  # a side no memory holds (or torch cannot count): the key that set it
+        key = "model.input_size" if cfg.input_size else "data.image_size"
+        raise ConfigError(f"params.yaml: {key} = {image_size}: two images of that side do not fit in memory "
+                          f"({first_line(err)}); set {key} to the side the model is fed, e.g. 224") from None
     try:
         out = model.train()(x)  # train mode: what the training step sees (aux heads, dropout)
     except Exception as err:

@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from ampbench.config import ModelConfig
+from ampbench.config import ModelConfig, path_is
 from ampbench.errors import ConfigError, first_line
 
 BACKBONE = "backbone"  # model.freeze: [backbone] freezes everything but the final classification layer
@@ -33,7 +33,7 @@ DOWNLOAD_TIMEOUT_S = 30  # a machine without internet fails in seconds, not at t
 def is_file(weights: str) -> bool:
     """Whether ``model.weights`` names a file (a path) rather than torchvision weights (an enum name)."""
     return "/" in weights or "\\" in weights or weights.endswith((".pt", ".pth", ".bin", ".ckpt")) \
-        or Path(weights).expanduser().exists()
+        or path_is(Path(weights).expanduser(), "any")
 
 
 def identity(cfg: ModelConfig, root: Path | None = None) -> str:
@@ -55,10 +55,10 @@ def _path(cfg: ModelConfig, root: Path | None = None) -> Path:
     path = Path(cfg.weights).expanduser()
     if not path.is_absolute():
         path = (root or Path.cwd()) / path
-    if not path.is_file():
-        raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r}: no such file ({path}); give the path of a "
-                          "state dict saved with torch.save(model.state_dict(), path), or a torchvision weights name "
-                          "for a tv: model (e.g. DEFAULT)")
+    if not path_is(path, "file"):
+        raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r}: no such file ({str(path)!r}); give the path "
+                          "of a state dict saved with torch.save(model.state_dict(), path), or a torchvision weights "
+                          "name for a tv: model (e.g. DEFAULT)")
     return path
 
 
@@ -162,6 +162,11 @@ def load(model: nn.Module, cfg: ModelConfig, num_classes: int, image_size: int, 
     if not isinstance(state, dict):
         raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r} holds a {type(state).__name__}, not a "
                           "state dict; save it with torch.save(model.state_dict(), path)")
+    odd = [k for k, v in state.items() if not isinstance(k, str)
+           or not (torch.is_tensor(v) or k.endswith("_extra_state"))]  # a module's extra state may be any object
+    if odd:
+        raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r} is not a state dict (no tensor under "
+                          f"{_names([repr(k) for k in odd])}); save it with torch.save(model.state_dict(), path)")
     own = model.state_dict()
     state = _unwrapped(state, own)
     differ = [k for k, v in state.items() if k in own and torch.is_tensor(v) and v.shape != own[k].shape]
@@ -182,7 +187,12 @@ def load(model: nn.Module, cfg: ModelConfig, num_classes: int, image_size: int, 
                           + "; ".join(f"{what} {_names(keys)}" for what, keys in
                                       (("missing", missing), ("unexpected", unexpected)) if keys)
                           + "; load weights saved from this model")
-    model.load_state_dict(state, strict=not differ)
+    try:
+        model.load_state_dict(state, strict=not differ)
+    except RuntimeError as err:  # a tensor that does not copy in (a meta or sparse one): torch's lines, as one
+        why = " ".join(str(err).split()).removeprefix("Error(s) in loading state_dict for ")
+        raise ConfigError(f"params.yaml: model.weights = {cfg.weights!r} does not load into {cfg.factory or cfg.arch} "
+                          f"({why[:300]}); load weights saved from this model") from None
     return model
 
 

@@ -26,12 +26,11 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-# A transient failure retried 3 times, after 0, 2 and 4 seconds (and up to half a second of jitter): an unreachable
-# server costs seconds, not MLflow's default 7 retries over minutes (set before mlflow is imported).
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "3")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+# A transient failure retried 3 times, after 0, 2 and 4 s (and up to half a second of jitter): an unreachable server
+# costs a stage seconds, not MLflow's default 7 retries over minutes; `mlflow-sync` takes 6 unless the user set it.
+RETRIES_GIVEN = "MLFLOW_HTTP_REQUEST_MAX_RETRIES" in os.environ
+for _name, _value in (("MAX_RETRIES", "3"), ("BACKOFF_FACTOR", "1"), ("BACKOFF_JITTER", "0.5"), ("TIMEOUT", "10")):
+    os.environ.setdefault(f"MLFLOW_HTTP_REQUEST_{_name}", _value)
 
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
