@@ -37,6 +37,8 @@ class Metrics(TypedDict, total=False):
     backend: str | None
     cpu_threads: int
     grad_comm: str | None
+    strategy: str | None   # data parallelism: ddp | fsdp (None in one process)
+    fsdp: dict             # FSDP only: the blocks, dtypes, bytes per step and memory per rank (train/fsdp.describe)
     compiled: bool
     augment: bool
     torch: str
