@@ -50,6 +50,13 @@ def points(diff: float | None) -> str:
     return "n/a" if diff is None else f"{diff * 100:+.2f} pts"
 
 
+def against(c: dict) -> str:
+    """A comparison's throughput ratio and final-accuracy difference (``throughput_ratio``, ``acc_diff``): "0.93x
+    the throughput, final accuracy +0.10 points"."""
+    speed = f"{c['throughput_ratio']:.2f}x the throughput" if c["throughput_ratio"] else "throughput n/a"
+    return speed + (f", final accuracy {c['acc_diff'] * 100:+.2f} points" if c["acc_diff"] is not None else "")
+
+
 def size(n: int | None) -> str:
     """Bytes in the largest binary unit that keeps them at 1 or more: 1.50 GiB, 12.00 MiB, 512 B."""
     if n is None:

@@ -109,10 +109,8 @@ def scaling(summary: dict, env: dict, runs: dict) -> list[str]:
             out += [f"`{c['variant']}` sends its gradients as {c['grad_comm']}, but no variant of the same precision "
                     "and accumulation sent them as fp32, so its effect is not measured here.", ""]
             continue
-        ratio = f"{c['throughput_ratio']:.2f}x the throughput" if c["throughput_ratio"] else "throughput n/a"
-        acc = f", final accuracy {c['acc_diff'] * 100:+.2f} points" if c["acc_diff"] is not None else ""
-        out += [f"Gradients sent as {c['grad_comm']} (`{c['variant']}`) against fp32 (`{c['against']}`): {ratio}"
-                f"{acc}; the step waited {fmt.pct(c['exposed_comm_share'])} of its time on the all-reduce against "
-                f"{fmt.pct(c['against_exposed_comm_share'])}. Compression halves the bytes sent; it pays where the "
-                "all-reduce is exposed, not where it hides behind the backward pass.", ""]
+        out += [f"Gradients sent as {c['grad_comm']} (`{c['variant']}`) against fp32 (`{c['against']}`): "
+                f"{fmt.against(c)}; the step waited {fmt.pct(c['exposed_comm_share'])} of its time on the all-reduce "
+                f"against {fmt.pct(c['against_exposed_comm_share'])}. Compression halves the bytes sent; it pays where "
+                "the all-reduce is exposed, not where it hides behind the backward pass.", ""]
     return out

@@ -77,10 +77,9 @@ def lines(comparisons: list[dict]) -> list[str]:
                     f"step by each rank {_mib(c['wire_bytes_per_step'])} ({wire}). No DDP variant of the same "
                     "precision and accumulation ran here: add one to set it beside.", ""]
             continue
-        speed = f"{c['throughput_ratio']:.2f}x the throughput" if c["throughput_ratio"] else "throughput n/a"
-        acc = f", final accuracy {c['acc_diff'] * 100:+.2f} points" if c["acc_diff"] is not None else ""
         out += [f"{head} against DDP (`{c['against']}`, gradients all-reduced in "
-                f"{_dtype({'none': 'float32'}.get(c['against_grad_comm'], c['against_grad_comm']))}): {speed}{acc}. "
+                f"{_dtype({'none': 'float32'}.get(c['against_grad_comm'], c['against_grad_comm']))}): "
+                f"{fmt.against(c)}. "
                 f"Memory per rank, counted: {_mib(c['memory_per_rank'])} ({parts}) against "
                 f"{_mib(c['against_memory_per_rank'])} (every DDP rank holds the whole fp32 parameters, gradients, "
                 f"the buckets it all-reduces them in and the optimizer state). Sent per optimizer step by each "

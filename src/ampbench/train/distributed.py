@@ -257,12 +257,12 @@ def step_model(model: torch.nn.Module, world: World, plan) -> torch.nn.Module:
 
 def sync_context(model: torch.nn.Module, sync: bool):
     """When ``sync`` is false, gradients stay local: ``model.no_sync()`` on a DDP model, no reduce-scatter on an
-    FSDP one (``fsdp.sync_context``); else nothing."""
+    FSDP one (``fsdp.no_gradient_sync``); else nothing."""
     if sync:
         return nullcontext()
     if hasattr(model, "set_requires_gradient_sync"):
         from ampbench.train import fsdp
-        return fsdp.sync_context(model, sync)
+        return fsdp.no_gradient_sync(model)
     return model.no_sync() if hasattr(model, "no_sync") else nullcontext()
 
 

@@ -22,7 +22,7 @@ fp32 running statistics is refused by the kernel.
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -119,18 +119,14 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 @contextmanager
-def _no_gradient_sync(model: nn.Module):
+def no_gradient_sync(model: nn.Module):
+    """A micro-batch whose gradients stay unsharded and local: all but the last of an optimizer step's, so the
+    gradients are reduce-scattered once per step (``distributed.sync_context``)."""
     model.set_requires_gradient_sync(False)
     try:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def sync_context(model: nn.Module, sync: bool):
-    """Under FSDP, a micro-batch whose gradients stay unsharded and local (``sync`` false): all but the last of an
-    optimizer step's, so the gradients are reduce-scattered once per step; else nothing."""
-    return nullcontext() if sync else _no_gradient_sync(model)
 
 
 def full(t: torch.Tensor) -> torch.Tensor:

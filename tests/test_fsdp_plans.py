@@ -1,0 +1,63 @@
+"""FSDP's plans and blocks, without processes: the repeated blocks sharded on their own, what FSDP does not run yet
+refused in one line, SGD's foreach taken where auto would fuse it, accumulation's whole gradients counted, the
+demo's data-parallel variants under a default fsdp strategy."""
+
+from __future__ import annotations
+
+import pytest
+
+from ampbench import config, models
+from ampbench.train import fsdp
+from tests.test_distributed import WORLD, _model
+
+
+def test_the_blocks_sharded_are_the_repeated_ones():
+    names = {arch: [n for n, _ in fsdp.blocks(models.build(config.ModelConfig(arch=arch), num_classes=10,
+                                                              image_size=32, device="cpu"))]
+             for arch in ("small_cnn", "resnet18", "vit_tiny")}
+    assert names["small_cnn"] == ["0", "2", "4", "7"]  # no repeated class: the stages with parameters
+    assert names["resnet18"] == [f"layer{i}.{j}" for i in range(1, 5) for j in range(2)]
+    assert names["vit_tiny"] == [f"encoder.layers.encoder_layer_{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize(("variant", "train", "said"), [
+    ({"precision": "bf16", "grad_comm": "fp16"}, {}, "grad_comm fp16 is DDP's gradient compression"),
+    ({"precision": "fp8"}, {}, r"precision fp8 under FSDP \(float8 all-gather\) is not supported yet"),
+    ({"precision": "bf16"}, {"compile": True}, "train.compile True compiles it"),
+    ({"precision": "bf16"}, {"optimizer": "adafactor"}, "adafactor's factored state does not run"),
+    ({"precision": "bf16", "optimizer_impl": "fused"}, {}, "optimizer_impl fused has no kernel for FSDP's"),
+])
+def test_what_fsdp_does_not_run_yet_is_refused_in_one_line(variant, train, said):
+    from ampbench import runplan
+    from ampbench.errors import ConfigError
+    cfg = config.from_dict({"device": "cpu", "train": train, "variants": {"v": {**variant, "strategy": "fsdp"}},
+                            "distributed": {"nproc_per_node": 2}})
+    with pytest.raises(ConfigError, match=f"^variant 'v' \\(strategy: fsdp\\): {said}") as err:
+        runplan.make_plan(cfg, "v", "cpu")
+    assert "\n" not in str(err.value)
+
+
+def test_fsdp_takes_sgd_s_foreach_where_auto_would_fuse_it_and_counts_accumulation_s_whole_gradients():
+    """On CUDA auto picks SGD's fused kernel, which has no rule for DTensor shards: FSDP's plan takes foreach
+    (DDP's keeps fused). With accumulation every gradient is held whole until the last micro-batch: counted."""
+    from ampbench import runplan
+    cfg = config.from_dict({"device": "cuda", "variants": {"f": {"precision": "bf16", "strategy": "fsdp"},
+                                                           "d": {"precision": "bf16"}},
+                            "distributed": {"nproc_per_node": 2}})
+    assert runplan.make_plan(cfg, "f", "cuda").train.optimizer_impl == "foreach"
+    assert runplan.make_plan(cfg, "d", "cuda").train.optimizer_impl == "fused"
+    model = _model()
+    trained = sum(q.numel() for q in model.parameters())
+    one, four = (fsdp.memory_parts(model, WORLD, "bf16", "fp32", 1, accum) for accum in (1, 4))
+    assert "accumulated_gradients" not in one and four["accumulated_gradients"] == 4 * trained
+
+
+def test_the_demo_s_data_parallel_variants_plan_under_a_default_fsdp_strategy():
+    """`ampbench demo --nproc-per-node 2` with distributed.strategy: fsdp: its fp16-communication variant is DDP's
+    (the hook), its one-process baselines are not sharded, and every variant plans."""
+    from ampbench import runplan, sandbox
+    params = sandbox.data_parallel(sandbox.merge(sandbox.demo_params(), {"distributed": {"strategy": "fsdp"}}), 2)
+    cfg = config.from_dict(params)
+    plans = {name: runplan.make_plan(cfg, name, "cpu") for name in cfg.variants}
+    assert {n: (p.strategy, p.ddp) for n, p in plans.items() if n.endswith(("_fp16comm", "_1proc"))} == {
+        "fp32_fp16comm": ("ddp", True), **{n: ("fsdp", False) for n in plans if n.endswith("_1proc")}}
