@@ -10,6 +10,7 @@
     ampbench team-user NAME  # an account on it (password on stdin), EDIT on the experiment
     ampbench roofline --gpu "RTX 5090"   # each precision's least step time at datasheet peaks, params.yaml's model
     ampbench roofline --gpu all          # the same for every GPU in the datasheet table
+    ampbench roofline --gpu "H100 SXM" --nproc 8 --strategy fsdp   # 8 GPUs: the collectives on NVLink, memory per GPU
     ampbench check-model tv:convnext_tiny   # will this model run? input size, roofline, fp8, one step per precision
 """
 
@@ -126,6 +127,8 @@ def roofline_cmd(args) -> None:
     if args.batch < 0:
         raise ConfigError(f"--batch {args.batch}: give a batch of 1 or more images (or 0 for train.batch_size)")
     cfg = config.load(args.params)
+    if args.nproc != 1 or args.strategy:
+        return _roofline_n(args, cfg, rows)
     found = roofline.for_config(cfg, optim.for_count, args.batch or None, inference=args.inference)
     s = found["summary"]
     closest = roofline.closest_default(s["conv_flop_share"])
@@ -163,6 +166,40 @@ def roofline_cmd(args) -> None:
         print("\nDense rates with FP32 accumulation, from: " + "; ".join(
             f"{row['name']}: {row['source']}" for _, row in DATASHEET) + ".")
     print("\n" + roofline_note(args.launch_us, args.inference))
+
+
+def _roofline_n(args, cfg, rows) -> None:
+    """``ampbench roofline --nproc N --strategy ddp|fsdp``: the step on N GPUs of one node, its collectives' bytes at
+    the GPUs' interconnect bandwidth, and the memory per GPU by part."""
+    from ampbench.measure import links, roofline
+    from ampbench.report.roofline import data_parallel_table, roofline_note
+    strategy = args.strategy or cfg.distributed.strategy
+    links.check(args.nproc, strategy)
+    if args.inference:
+        raise ConfigError("--inference with --nproc: an inference pass sends no gradients; drop one of them")
+    if not rows:
+        raise ConfigError("--gpu all with --nproc: name one GPU of the table, e.g. --gpu \"H100 SXM\"")
+    row, batch = rows[0], args.batch or cfg.train.batch_size
+    per_gpu = links.share(batch, args.nproc)
+    found = roofline.for_config(cfg, optim.for_count, per_gpu)
+    model, state = links.model_counts(cfg, optim.for_count)
+    link = links.link(row, args.nproc)
+    params = sum(q.numel() for q in model.parameters())
+    print(f"Roofline of one training step on {args.nproc} {row['name']} GPUs ({strategy.upper()}): "
+          f"{found['model']}, {params / 1e6:,.2f} M parameters, global batch {batch} ({per_gpu} per GPU), "
+          f"{found['input_size']}x{found['input_size']} inputs, {cfg.train.optimizer} ({state} state value"
+          f"{'s' if state != 1 else ''} per parameter)")
+    print(f"{row['name']}: {row['source']}; memory {row['bandwidth_gbps']:,} GB/s")
+    print(f"GPU to GPU: {link['name']}, {link['gbps']:,g} GB/s per GPU both ways, so {link['gbps'] / 2:,g} GB/s sent "
+          f"by each in a ring ({link['source']})\n" if link else
+          f"GPU to GPU: n/a (no source gives {row['name']}'s link between GPUs): the collectives' bytes without a "
+          "time\n")
+    t = links.table(found["ops"], row, model, state, args.nproc, strategy, batch, cfg.distributed.fsdp_reduce_dtype,
+                    args.launch_us)
+    print("\n".join(data_parallel_table(t, link, args.nproc, strategy)))
+    print("\nThe step is the longer of one GPU's kernels and the collectives' time on the link (overlapped, as DDP's "
+          "buckets and FSDP's prefetch overlap them at best); NCCL reaches about 80% of a link's figure. "
+          + roofline_note(args.launch_us))
 
 
 def check_model_cmd(args) -> None:
@@ -237,6 +274,10 @@ def main() -> None:
     r.add_argument("--batch", type=int, default=0, help="images per step (default: train.batch_size)")
     r.add_argument("--launch-us", type=float, default=None, help="the host's least time per kernel launch, in "
                    "microseconds (default 4; make gpu-validate measures a machine's)")
+    r.add_argument("--nproc", type=int, default=1, metavar="N", help="N GPUs of one node, data-parallel: the "
+                   "collectives' bytes at the GPUs' interconnect bandwidth and the memory per GPU by part")
+    r.add_argument("--strategy", choices=("ddp", "fsdp"), default="",
+                   help="with --nproc: DDP or FSDP (default: params.yaml's distributed.strategy)")
     r.add_argument("--inference", action="store_true", help="count one forward pass in eval mode without gradients "
                    "(to set beside published inference figures) instead of a training step")
     from ampbench.tracking import server

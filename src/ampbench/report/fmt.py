@@ -145,3 +145,8 @@ def same_arithmetic(row: dict) -> bool:
     """The paired check found the variant computing strict FP32's very arithmetic on this device (tf32 on a CPU):
     its ratio is noise, not a speed difference."""
     return bool((row.get("paired") or {}).get("same_arithmetic"))
+
+
+def dtype(name: str) -> str:
+    """A torch dtype's name as the ladder's rungs say it: float32 fp32, bfloat16 bf16, float16 fp16."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)

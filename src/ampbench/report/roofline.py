@@ -137,3 +137,32 @@ def roofline_table(table: dict[str, dict | None], measured: dict[str, list[str]]
         lines.append(f"| {rung} | {fmt.ms(r['step_ms'])}{bound} | {r['imgs_per_s']:,.0f} | {fmt.times(r['vs_fp32'])} "
                      f"| {fmt.times(r['vs_tf32'])} | {r['memory_bound_share']:.0%} | {launches} |" + cell)
     return lines
+
+
+def data_parallel_table(table: dict[str, dict], link: dict | None, nproc: int, strategy: str) -> list[str]:
+    """``nproc`` GPUs' roofline per precision (``links.table``): one GPU's kernels, the collectives' bytes and time
+    on ``link``, the step, img/s over all GPUs, what bounds it; then each precision's memory per GPU by part."""
+    on = f"on {link['name']}" if link else "on the link (n/a)"
+    lines = [f"| precision | one GPU's step | sent per GPU per step | {on} | step, {nproc} GPUs | img/s, {nproc} GPUs "
+             f"| bound by | memory per GPU (counted) |", "|---|---|---|---|---|---|---|---|"]
+    parts = []
+    for rung, r in table.items():
+        if "na" in r:
+            lines.append(f"| {rung} | n/a: {r['na']} | | | | | | |")
+            continue
+        sent = "; ".join(f"{k.replace('_', '-')} {fmt.size(w['bytes'])} "
+                         + "+".join(fmt.dtype(d) for d in (w.get("by_dtype") or {w["dtype"]: 0}))
+                         for k, w in r["wire"].items())
+        comm = fmt.ms(r["comm_ms"]) if r["comm_ms"] is not None else "n/a"
+        step = fmt.ms(r["step_ms"]) if r["step_ms"] is not None else "n/a"
+        ips = f"{r['imgs_per_s']:,.0f}" if r["imgs_per_s"] is not None else "n/a"
+        bound = {"collectives": "**the collectives**", None: "n/a"}.get(r["bound"], r["bound"])
+        lines.append(f"| {rung} | {fmt.ms(r['gpu_step_ms'])} | {sent} | {comm} | {step} | {ips} | {bound} | "
+                     f"{fmt.size(sum(r['memory_per_gpu'].values()))} |")
+        parts.append(f"- {rung}: " + ", ".join(f"{k.replace('_', ' ')} {fmt.size(v)}"
+                                                for k, v in r["memory_per_gpu"].items()))
+    what = ("FSDP holds 1/N of the fp32 parameters, gradients and optimizer state, and two blocks gathered at a time"
+            if strategy == "fsdp" else "DDP holds the whole model, its gradients, their buckets and the optimizer "
+            "state on every GPU")
+    return lines + ["", f"Memory per GPU by part ({what}; the activations come on top, the same under both "
+                    "strategies at the same batch per GPU):", *parts]

@@ -7,15 +7,22 @@ from ampbench.report import fmt
 from ampbench.report.summary import _same_work, ratio
 
 
+def ddp_counted(params: int, trained: int, state_per_param: int, world_size: int, grad_bytes: int = 4) -> dict:
+    """What DDP holds per rank and sends per optimizer step, counted as FSDP's are (``train.fsdp``): the whole fp32
+    parameters, their gradients, the buckets DDP all-reduces them in (a copy: ``gradient_as_bucket_view`` is off)
+    and the optimizer's state on every rank, and a ring all-reduce of the gradients (2 (N-1)/N of them) in fp32, or
+    in the 2-byte dtype ``grad_comm`` compresses to (``grad_bytes``)."""
+    parts = {"parameters": 4 * params, "gradients": 4 * trained, "gradient_buckets": 4 * trained,
+             "optimizer_state": 4 * trained * state_per_param}
+    return {"memory_parts": parts, "memory_per_rank": sum(parts.values()),
+            "wire_bytes_per_step": int(2 * (world_size - 1) / world_size * trained * grad_bytes)}
+
+
 def ddp_counts(m: dict, world: int, f: dict) -> dict:
-    """What DDP holds per rank and sends per optimizer step, counted as FSDP's are (``f``: an FSDP run's ``fsdp``
-    metrics, for the model's counts): the whole fp32 parameters, gradients, the buckets DDP all-reduces them in and
-    the optimizer state on every rank, and a
-    ring all-reduce of the gradients (2 (N-1)/N of them) in fp32, or in the dtype ``grad_comm`` compresses to."""
-    grad_bytes = 2 if m.get("grad_comm") in ("fp16", "bf16") else 4
-    trained = f["trained_count"]  # gradients twice: DDP's buckets hold a copy (gradient_as_bucket_view is off)
-    return {"memory_per_rank": 4 * (f["param_count"] + 2 * trained + trained * f["state_per_param"]),
-            "wire_bytes_per_step": int(2 * (world - 1) / world * trained * grad_bytes)}
+    """``ddp_counted`` for the DDP variant ``m`` (its metrics), from an FSDP run's ``fsdp`` metrics ``f`` (the
+    model's counts)."""
+    return ddp_counted(f["param_count"], f["trained_count"], f["state_per_param"], world,
+                       2 if m.get("grad_comm") in ("fp16", "bf16") else 4)
 
 
 def against_ddp(row: dict, rows: list[dict], metrics: dict[str, dict]) -> dict:
@@ -54,11 +61,7 @@ def _mib(b) -> str:
 
 def sent(c: dict) -> str:
     """The table's "gradients sent as" cell of an FSDP variant."""
-    return f"{_dtype(c['reduce_dtype'])} reduce-scatter, {_dtype(c['param_dtype'])} all-gather"
-
-
-def _dtype(name: str) -> str:
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
+    return f"{fmt.dtype(c['reduce_dtype'])} reduce-scatter, {fmt.dtype(c['param_dtype'])} all-gather"
 
 
 def lines(comparisons: list[dict]) -> list[str]:
@@ -68,17 +71,17 @@ def lines(comparisons: list[dict]) -> list[str]:
         parts = ", ".join(f"{k.replace('_', ' ')} {_mib(c['memory_parts'][k])}" for k in PARTS
                           if k in c["memory_parts"])
         wire = ", ".join(f"{k.replace('_', '-')} {_mib(w['bytes'])} in "
-                         + " and ".join(_dtype(d) for d in (w.get("by_dtype") or {w["dtype"]: 0}))
+                         + " and ".join(fmt.dtype(d) for d in (w.get("by_dtype") or {w["dtype"]: 0}))
                          for k, w in c["wire"].items())
-        head = (f"FSDP (`{c['variant']}`, {c['world_size']} processes, {_dtype(c['param_dtype'])} gathered, "
-                f"{_dtype(c['reduce_dtype'])} reduced)")
+        head = (f"FSDP (`{c['variant']}`, {c['world_size']} processes, {fmt.dtype(c['param_dtype'])} gathered, "
+                f"{fmt.dtype(c['reduce_dtype'])} reduced)")
         if not c["against"]:
             out += [f"{head}: memory per rank {_mib(c['memory_per_rank'])} counted ({parts}); sent per optimizer "
                     f"step by each rank {_mib(c['wire_bytes_per_step'])} ({wire}). No DDP variant of the same "
                     "precision and accumulation ran here: add one to set it beside.", ""]
             continue
         out += [f"{head} against DDP (`{c['against']}`, gradients all-reduced in "
-                f"{_dtype({'none': 'float32'}.get(c['against_grad_comm'], c['against_grad_comm']))}): "
+                f"{fmt.dtype({'none': 'float32'}.get(c['against_grad_comm'], c['against_grad_comm']))}): "
                 f"{fmt.against(c)}. "
                 f"Memory per rank, counted: {_mib(c['memory_per_rank'])} ({parts}) against "
                 f"{_mib(c['against_memory_per_rank'])} (every DDP rank holds the whole fp32 parameters, gradients, "
