@@ -128,6 +128,9 @@ def _worker(rank: int, port: int, folder: str) -> None:
         out[f"{name}_vs_ddp"] = _rel(_grads(sharded), _grads(ddp_model))
         out[f"{name}_vs_one"] = _rel(_grads(sharded), _grads(one))
         out[f"{name}_grad_dtype"] = str(next(sharded.parameters()).grad.dtype)
+    # fp8 (tensorwise): the converted weights gathered in fp8 with the whole weight's scale, against DDP's Float8Linear
+    # casting the same fp32 weights, under the rung's bf16 autocast; three steps, the scales refreshed after each
+    out.update(_fp8(world, x, y))
     # an inf in rank 1's shard alone, under the rung's GradScaler
     sharded = fsdp.shard(_model(), world, "cpu", "fp32")
     opt, scaler = _sgd(sharded), torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -143,6 +146,39 @@ def _worker(rank: int, port: int, folder: str) -> None:
     out["scale"] = float(scaler.get_scale())
     (Path(folder) / f"rank{rank}.json").write_text(json.dumps(out))
     torch.distributed.destroy_process_group()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return mlp(image_size=16)
+
+
+def _fp8(world, x, y) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ampbench.precision import float8
+    out, grads, weights = {}, [], []
+    for sharded in (False, True):
+        model = float8.convert(_mlp(), "tensorwise", sharded=sharded)
+        if sharded:
+            fsdp.shard(model, world, "cpu", "fp8")
+        opt = _sgd(model)
+        fsdp.after_each_step(model, opt)
+        stepped = model if sharded else DDP(model)
+        for i in range(3):
+            opt.zero_grad(set_to_none=True)
+            with float8._mkldnn_off(), torch.autocast("cpu", dtype=torch.bfloat16), _counting() as sent:
+                F.cross_entropy(stepped(x), y).backward()
+            if i == 0:
+                grads.append(_grads(model))
+                if sharded:
+                    out["fp8_sent"], out["fp8_counted"] = sent, fsdp.wire_bytes(model, WORLD, "fp8")
+                    out["fp8_parts"] = fsdp.memory_parts(model, WORLD, "fp8")
+            opt.step()
+        weights.append(_weights(model))
+    out["fp8_converted"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+    out["fp8_vs_ddp"], out["fp8_weights_vs_ddp"] = _rel(grads[1], grads[0]), _rel(weights[1], weights[0])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +229,22 @@ def test_the_bf16_and_fp16_policies_gather_in_their_dtype_and_reduce_fp32_gradie
         assert r["fp16_vs_one"] < r["bf16_vs_one"]
 
 
+def test_fp8_gathers_its_weights_in_fp8_and_trains_as_under_ddp(ranks):
+    """torchao's float8 all-gather: each rank casts its shard of a converted weight with the scale of the whole
+    weight (the amax all-reduced after each step) and gathers fp8, which is what DDP's Float8Linear casts from the
+    same fp32 weights; the rest of a block gathers in bf16, as autocast casts it. So the gradients and three
+    steps' weights agree as fp32's do (the sums' order), and the bytes sent are the ones counted."""
+    eps = torch.finfo(torch.float32).eps
+    for r in ranks:
+        assert r["fp8_converted"] == 2  # the two 64x64 blocks' layers (not the first layer, not the head)
+        assert r["fp8_vs_ddp"] < 64 * eps and r["fp8_weights_vs_ddp"] < 1e3 * eps, r
+        sent, counted = r["fp8_sent"], r["fp8_counted"]
+        assert "float8_e4m3fn" in sent["all_gather"][0] or "uint8" in sent["all_gather"][0], sent
+        assert counted["all_gather"]["by_dtype"]["float8_e4m3fn"] == 2 * 2 * 64 * 64 // 2  # 2 gathers, 2 weights
+        assert counted["all_gather"]["bytes"] == pytest.approx((WORLD - 1) * sent["all_gather"][1], rel=2e-2)
+        assert sent["reduce_scatter"][0] == ["float32"]
+
+
 def test_an_inf_in_one_rank_s_shard_skips_the_step_on_every_rank(ranks):
     """Only rank 1 holds the poisoned gradient (rank 0's shard is finite): the GradScaler's inf check over the
     DTensor shards reduces its found-inf, so both ranks skip the step and halve the scale."""
@@ -221,23 +273,33 @@ def test_the_bytes_counted_are_the_bytes_the_collectives_send(ranks):
 
 def _plan(variant: str, strategy: str, epochs: int = 2):
     from ampbench import runplan
-    cfg = config.from_dict({"device": "cpu", "model": {"arch": "small_cnn"}, "mlflow": {"enabled": False},
+    fp8 = variant == "fp8"  # a model whose blocks fp8 converts (the small CNN's Linear layers are its ends)
+    model = {"factory": "tests.test_fsdp:mlp"} if fp8 else {"arch": "small_cnn"}
+    cfg = config.from_dict({"device": "cpu", "model": model, "mlflow": {"enabled": False},
                             "train": {"epochs": epochs, "batch_size": 32, "warmup_steps": 0},
                             "profile": {"steps": 1}, "amp": {"audit_batches": 1},
-                            "distributed": {"nproc_per_node": WORLD, "strategy": strategy}})
+                            "distributed": {"nproc_per_node": WORLD, "strategy": strategy},
+                            **({"variants": {"fp8": {"precision": "fp8"}}} if fp8 else {})})
     return runplan.make_plan(cfg, variant, "cpu")
 
 
+def mlp(num_classes: int = 10, image_size: int = 32) -> torch.nn.Module:
+    """The fp8 runs' model (``model.factory``): two 64-wide blocks fp8 converts between a first layer and a head."""
+    block = lambda: torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())  # noqa: E731
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * image_size ** 2, 64), block(), block(),
+                               torch.nn.Linear(64, num_classes))
+
+
 def _runs_worker(rank: int, port: int, folder: str) -> None:
-    """runner.train as the train stage runs it, DDP and FSDP, fp32 and fp16; and an FSDP run resumed from its
-    checkpoint after the first epoch."""
+    """runner.train as the train stage runs it, DDP and FSDP, fp32, fp16 and fp8; and FSDP runs (fp32, fp8) resumed
+    from their checkpoints after the first epoch."""
     from ampbench import data
     from ampbench.train import runner
     from ampbench.train.engine import Trainer
     world = _join(rank, port)
     prepared = data.load_prepared(Path(folder) / "prepared", "cpu")
     out = {}
-    for variant in ("fp32", "amp"):
+    for variant in ("fp32", "amp", "fp8"):
         for strategy in ("ddp", "fsdp"):
             result = runner.train(_plan(variant, strategy), prepared, progress=False, world=world)
             m = result.metrics
@@ -247,21 +309,26 @@ def _runs_worker(rank: int, port: int, folder: str) -> None:
                 "strategy": m["strategy"], "fsdp": m.get("fsdp"), "audited": bool(result.numerics),
                 "profiled": "error" not in m["profile"], "not_made": m["not_made"]}
     # the checkpoint after the first epoch, whole, loaded into a fresh sharded trainer: the second epoch is the same
-    plan = _plan("fp32", "fsdp")
-    first = Trainer(plan, prepared, progress=False, world=world)
-    first.run_epoch()
-    state = first.state_dict()  # every rank: a collective
-    path = Path(folder) / "state.pt"
-    if world.main:
-        torch.save(state, path)
-    world.barrier()
-    second = Trainer(plan, prepared, progress=False, world=world)
-    second.load_state_dict(torch.load(path, weights_only=True))
-    first.run_epoch()
-    second.run_epoch()
-    out["resumed_equal"] = all(torch.equal(fsdp.full(a.detach()), fsdp.full(b.detach())) for a, b in
-                               zip(first.model.parameters(), second.model.parameters(), strict=True))
-    out["state_whole"] = sorted(state["model"]) == sorted(_model().state_dict()) if world.main else None
+    # (fp8: its scales those of the loaded weights)
+    for variant in ("fp32", "fp8"):
+        plan = _plan(variant, "fsdp")
+        first = Trainer(plan, prepared, progress=False, world=world)
+        first.run_epoch()
+        state = first.state_dict()  # every rank: a collective
+        path = Path(folder) / "state.pt"
+        if world.main:
+            torch.save(state, path)
+        world.barrier()
+        second = Trainer(plan, prepared, progress=False, world=world)
+        second.load_state_dict(torch.load(path, weights_only=True))
+        first.run_epoch()
+        second.run_epoch()
+        out[f"{variant}_resumed_equal"] = all(
+            torch.equal(fsdp.full(a.detach()), fsdp.full(b.detach()))
+            for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True))
+        if variant == "fp32":
+            out["state_whole"] = sorted(state["model"]) == sorted(_model().state_dict()) if world.main else None
+        world.barrier()
     (Path(folder) / f"runs{rank}.json").write_text(json.dumps(out))
     torch.distributed.destroy_process_group()
 
@@ -281,7 +348,7 @@ def test_a_run_under_fsdp_trains_as_under_ddp_and_writes_its_whole_weights(runs)
     precision (fp32; fp16 with its GradScaler over the shards), the weights whole on rank 0, the numerics audit
     and the step profile made (on a whole copy, and on every rank), the sharding described in the metrics."""
     main = runs[0]
-    for variant in ("fp32", "amp"):
+    for variant in ("fp32", "amp", "fp8"):
         ddp, sharded = main[f"{variant}_ddp"], main[f"{variant}_fsdp"]
         assert (ddp["strategy"], sharded["strategy"]) == ("ddp", "fsdp")
         torch.testing.assert_close(torch.tensor(sharded["history"]), torch.tensor(ddp["history"]), rtol=0, atol=0)
@@ -289,12 +356,14 @@ def test_a_run_under_fsdp_trains_as_under_ddp_and_writes_its_whole_weights(runs)
         for k, v in ddp["weights"].items():
             torch.testing.assert_close(torch.tensor(sharded["weights"][k]), torch.tensor(v), rtol=0, atol=0, msg=k)
         assert sharded["profiled"] and not sharded["not_made"], sharded["not_made"]
-        assert sharded["fsdp"]["blocks"] == ["0", "2", "4", "7"]
+        assert sharded["fsdp"]["blocks"] == (["1", "2", "3", "4"] if variant == "fp8" else ["0", "2", "4", "7"])
     assert main["amp_fsdp"]["audited"] and main["amp_fsdp"]["fsdp"]["param_dtype"] == "float16"
     assert main["amp_fsdp"]["fsdp"]["reduce_dtype"] == "float32"
+    fp8 = main["fp8_fsdp"]["fsdp"]  # its converted weights gathered in fp8, the rest of a block in bf16
+    assert fp8["param_dtype"] == "bfloat16" and fp8["wire_bytes_per_step"]["all_gather"]["by_dtype"]["float8_e4m3fn"]
     assert runs[1]["fp32_fsdp"]["weights"] == {}  # rank 0 alone writes
 
 
 def test_an_fsdp_checkpoint_is_whole_and_resumes_to_the_same_weights(runs):
     assert runs[0]["state_whole"]
-    assert all(r["resumed_equal"] for r in runs)
+    assert all(r["fp32_resumed_equal"] and r["fp8_resumed_equal"] for r in runs)

@@ -22,7 +22,8 @@ def test_the_blocks_sharded_are_the_repeated_ones():
 
 @pytest.mark.parametrize(("variant", "train", "said"), [
     ({"precision": "bf16", "grad_comm": "fp16"}, {}, "grad_comm fp16 is DDP's gradient compression"),
-    ({"precision": "fp8"}, {}, r"precision fp8 under FSDP \(float8 all-gather\) is not supported yet"),
+    ({"precision": "fp8", "recipe": "rowwise"}, {}, "fp8 recipe 'rowwise' under FSDP: torchao's float8 all-gather"),
+    ({"precision": "mxfp8"}, {}, "precision mxfp8 has no all-gather of its own format under FSDP"),
     ({"precision": "bf16"}, {"compile": True}, "train.compile True compiles it"),
     ({"precision": "bf16"}, {"optimizer": "adafactor"}, "adafactor's factored state does not run"),
     ({"precision": "bf16", "optimizer_impl": "fused"}, {}, "optimizer_impl fused has no kernel for FSDP's"),

@@ -194,8 +194,15 @@ def _roofline_n(args, cfg, rows) -> None:
           f"by each in a ring ({link['source']})\n" if link else
           f"GPU to GPU: n/a (no source gives {row['name']}'s link between GPUs): the collectives' bytes without a "
           "time\n")
+    def prepare(p, meta):  # as FSDP trains it: fp8 converted, its weights gathered in fp8
+        import copy
+
+        from ampbench import runplan
+        from ampbench.precision import rung
+        return rung(p).prepare(copy.deepcopy(meta), runplan.recipe(cfg, p), cfg.model.convert_ends, sharded=True) \
+            if rung(p).converts else meta
     t = links.table(found["ops"], row, model, state, args.nproc, strategy, batch, cfg.distributed.fsdp_reduce_dtype,
-                    args.launch_us)
+                    args.launch_us, prepare)
     print("\n".join(data_parallel_table(t, link, args.nproc, strategy)))
     print("\nThe step is the longer of one GPU's kernels and the collectives' time on the link (overlapped, as DDP's "
           "buckets and FSDP's prefetch overlap them at best); NCCL reaches about 80% of a link's figure. "

@@ -103,9 +103,14 @@ def _check_fsdp(plan: RunPlan, compile_setting, impl_setting: str) -> RunPlan:
     if plan.grad_comm != "none":
         raise ConfigError(f"{where}: grad_comm {plan.grad_comm} is DDP's gradient compression; FSDP reduce-scatters "
                           "the gradients in distributed.fsdp_reduce_dtype: set grad_comm: none for it")
-    if rung(plan.precision).converts:
-        raise ConfigError(f"{where}: precision {plan.precision} under FSDP (float8 all-gather) is not supported yet; "
-                          "give this variant strategy: ddp")
+    if rung(plan.precision).converts and plan.precision != "fp8":
+        raise ConfigError(f"{where}: precision {plan.precision} has no all-gather of its own format under FSDP "
+                          "(torchao's is fp8's, tensorwise); use precision fp8 with recipe: tensorwise, or give this "
+                          "variant strategy: ddp")
+    if plan.precision == "fp8" and plan.recipe != "tensorwise":
+        raise ConfigError(f"{where}: fp8 recipe {plan.recipe!r} under FSDP: torchao's float8 all-gather casts each "
+                          "shard with the whole weight's scale, which only the tensorwise recipe has; set recipe: "
+                          "tensorwise, or give this variant strategy: ddp")
     if plan.train.compile:
         raise ConfigError(f"{where}: train.compile {compile_setting!r} compiles it, which FSDP here does not support "
                           "yet; set train.compile: false (or auto on a CPU), or give this variant strategy: ddp")

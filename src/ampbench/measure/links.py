@@ -122,10 +122,13 @@ def check(nproc: int, strategy: str) -> None:
 
 
 def table(ops: dict[str, list], row: dict, model, state_per_param: int, nproc: int, strategy: str,
-          global_batch: int, reduce_dtype: str = "fp32", launch_us: float | None = None) -> dict[str, dict]:
+          global_batch: int, reduce_dtype: str = "fp32", launch_us: float | None = None,
+          prepare=None) -> dict[str, dict]:
     """Per precision on ``nproc`` GPUs of ``row``'s kind (``ops`` counted at one GPU's share of ``global_batch``):
     one GPU's kernel step, the bytes each GPU sends per step and their time on the link, the step (the longer of
-    the two), img/s over all GPUs, what bounds it, and the memory per GPU by part (counted; activations on top)."""
+    the two), img/s over all GPUs, what bounds it, and the memory per GPU by part (counted; activations on top).
+    ``prepare(precision, model)``: ``model`` (meta) as that precision shards it (fp8: converted, its weights
+    gathered in fp8); by default as it is."""
     from ampbench.measure import roofline
     from ampbench.report.sharded import ddp_counted
     from ampbench.train import fsdp
@@ -143,8 +146,9 @@ def table(ops: dict[str, list], row: dict, model, state_per_param: int, nproc: i
             out[p] = {"na": why or f"no {p} rate on {row['name']} for a dtype this step runs in"}
             continue
         if strategy == "fsdp":
-            wire = fsdp.wire_bytes(model, nproc, p, reduce_dtype)
-            memory = fsdp.memory_parts(model, nproc, p, reduce_dtype, state_per_param)
+            own = prepare(p, model) if prepare else model
+            wire = fsdp.wire_bytes(own, nproc, p, reduce_dtype)
+            memory = fsdp.memory_parts(own, nproc, p, reduce_dtype, state_per_param)
         else:
             counted = ddp_counted(params, trained, state_per_param, nproc)
             wire = {"all_reduce": {"dtype": "float32", "bytes": counted["wire_bytes_per_step"], "per_step": 1}}

@@ -39,12 +39,17 @@ def eligible(module, fqn: str = "") -> bool:
         and module.out_features % MULTIPLE == 0
 
 
-def convert(model, recipe: str, ends: bool = False):
+def convert(model, recipe: str, ends: bool = False, sharded: bool = False):
     """torchao's float8 training on ``model``'s eligible Linear layers (less its ends, unless ``ends``), in place,
-    with ``recipe``."""
+    with ``recipe``; ``sharded``: for FSDP, their weights all-gathered in fp8 (torchao's float8 all-gather, which
+    casts each shard with the scale of the whole weight: the tensorwise recipe only)."""
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe),
-                                      module_filter_fn=keeps(model, eligible, ends))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if sharded:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    return convert_to_float8_training(model, config=config, module_filter_fn=keeps(model, eligible, ends))
 
 
 def _converted_layers(model) -> list:
@@ -93,8 +98,8 @@ def layers(model, recipe: str, image_size: int, ends: bool = False) -> dict:
 
 @dataclass(frozen=True)
 class Float8(LinearRung):
-    def prepare(self, model, recipe: str | None = None, ends: bool = False):
-        return convert(model, recipe or self.default_recipe, ends)
+    def prepare(self, model, recipe: str | None = None, ends: bool = False, sharded: bool = False):
+        return convert(model, recipe or self.default_recipe, ends, sharded)
 
     def census(self, model, recipe: str | None, image_size: int, ends: bool = False) -> dict:
         return layers(model, recipe or self.default_recipe, image_size, ends)

@@ -11,7 +11,11 @@ forward) and its gradients reduce-scattered in ``reduce_dtype``. The rungs map a
   ``reduce_dtype`` setting;
 - fp16: ``param_dtype=fp16``, fp32 reduce, and the rung's ``torch.amp.GradScaler`` over the DTensor gradients:
   each rank holds a shard of every gradient, so an inf is in one rank's shard alone, and the scaler's inf check,
-  dispatched on DTensors, reduces its found-inf over the ranks, so every rank skips the step (tests/test_fsdp.py).
+  dispatched on DTensors, reduces its found-inf over the ranks, so every rank skips the step (tests/test_fsdp.py);
+- fp8 (tensorwise): torchao's float8 all-gather, as torchtitan runs it: each converted weight's shard is cast to
+  fp8 with the scale of the whole weight (its amax all-reduced once per step after the optimizer's, torchao's
+  ``precompute_float8_dynamic_scale_for_fsdp``) and gathered in fp8; the rest of a block in bf16, the reduce as
+  bf16's. The fp8 weights are those DDP's Float8Linear casts from the same fp32 weights, bit for bit.
 
 The autocast of the rung runs as under DDP (the numerically sensitive ops stay fp32), over the gathered copies,
 on the activations as DDP's see them: a block's policy does not cast its inputs, and the root's own parameters
@@ -30,7 +34,8 @@ from torch import nn
 from ampbench.errors import ConfigError
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # the rungs with a policy; the others: none
+# the rungs with a policy; the others: none. fp8's converted weights are all-gathered in fp8 (``float8_weights``)
+PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -90,27 +95,51 @@ def shard(model: nn.Module, world, device_kind: str, precision: str, reduce_dtyp
     # leaves uncast (autocast casts each op's inputs as under DDP)
     fp32 = MixedPrecisionPolicy(reduce_dtype=mp.reduce_dtype)
     low = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype, cast_forward_inputs=False)
-    for name, size, _ in units(model, precision, reduce_dtype)[:-1]:
+    for name, size, _, _ in units(model, precision, reduce_dtype)[:-1]:
         fully_shard(model.get_submodule(name), mesh=mesh, mp_policy=fp32 if size == 4 else low,
                     reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=fp32, reshard_after_forward=reshard_after_forward)
     return model
 
 
-def units(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> list[tuple[str, int, int]]:
+def units(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> list[tuple[str, int, int, int]]:
     """What ``shard`` shards on its own, inner first: (its name, the bytes of a value it is all-gathered in, its
-    parameters not in an inner unit). Under a policy each BatchNorm with parameters (fp32), then each of the
-    ``blocks`` (``param_dtype``), then the root's own (fp32)."""
+    parameters not in an inner unit, of those the ones gathered in fp8). Under a policy each BatchNorm with
+    parameters (fp32), then each of the ``blocks`` (``param_dtype``), then the root's own (fp32)."""
     p = policy(precision, reduce_dtype)
     low = p.param_dtype.itemsize if p else 4
+    in_fp8 = float8_weights(model)
     found, taken = [], set()
     norms = [(n, m) for n, m in model.named_modules() if p is not None
              and isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)]
     for (name, module), size in [*((nm, 4) for nm in norms), *((b, low) for b in blocks(model)), (("", model), 4)]:
         own = [q for q in module.parameters() if id(q) not in taken]
         taken.update(id(q) for q in own)
-        found.append((name, size, sum(q.numel() for q in own)))
+        found.append((name, size, sum(q.numel() for q in own), sum(q.numel() for q in own if id(q) in in_fp8)))
     return found
+
+
+def float8_weights(model: nn.Module) -> set[int]:
+    """The ids of the weights torchao's float8 all-gather gathers in fp8: a Float8Linear's, converted for FSDP."""
+    found = set()
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if type(m).__name__ == "Float8Linear" and getattr(config, "enable_fsdp_float8_all_gather", False):
+            found.add(id(m.weight))
+    return found
+
+
+def after_each_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A sharded fp8 model's scales for its next all-gathers, computed after each optimizer step, all weights' at
+    once (one all-reduce of their amaxes: torchao's ``precompute_float8_dynamic_scale_for_fsdp``, as torchtitan
+    hooks it); nothing for a model without fp8 weights."""
+    if float8_weights(model):
+        opt.register_step_post_hook(lambda *_: _scales(model))
+
+
+def _scales(model: nn.Module) -> None:
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -168,6 +197,8 @@ def load_full_state(model: nn.Module, opt: torch.optim.Optimizer, model_state: d
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, opt, opt_state, options=options)
+    if float8_weights(model):  # the scales of the loaded weights, not of the ones they replaced
+        _scales(model)
 
 
 def wire_bytes(model: nn.Module, world_size: int, precision: str, reduce_dtype: str = "fp32",
@@ -182,9 +213,11 @@ def wire_bytes(model: nn.Module, world_size: int, precision: str, reduce_dtype: 
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
     gathers = accum_steps * (2 if reshard_after_forward else 1)
     by_dtype: dict[str, int] = {}
-    for _, size, count in units(model, precision, reduce_dtype):
+    for _, size, count, fp8 in units(model, precision, reduce_dtype):
         name = {4: "float32", 2: str(p.param_dtype if p else "").removeprefix("torch.")}[size]
-        by_dtype[name] = by_dtype.get(name, 0) + int(gathers * share * count * size)
+        for dtype, n, itemsize in ((name, count - fp8, size), ("float8_e4m3fn", fp8, 1)):
+            if n:
+                by_dtype[dtype] = by_dtype.get(dtype, 0) + int(gathers * share * n * itemsize)
     reduce = p.reduce_dtype if p else torch.float32
     return {"all_gather": {"dtype": str(p.param_dtype if p else torch.float32).removeprefix("torch."),
                            "bytes": sum(by_dtype.values()), "by_dtype": by_dtype, "per_step": gathers},
@@ -204,7 +237,8 @@ def memory_parts(model: nn.Module, world_size: int, precision: str, reduce_dtype
     reduce_size = (p.reduce_dtype if p else torch.float32).itemsize
     params = sum(q.numel() for q in model.parameters())
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
-    found = sorted(((size * count, count) for _, size, count in units(model, precision, reduce_dtype)), reverse=True)
+    found = sorted(((size * (count - fp8) + fp8, count)
+                    for _, size, count, fp8 in units(model, precision, reduce_dtype)), reverse=True)
     parts = {"parameters": -(-params * 4 // world_size), "gradients": -(-trained * 4 // world_size),
              "optimizer_state": -(-trained * 4 * optimizer_state_per_param // world_size),
              "gathered_blocks": sum(b for b, _ in found[:2]),

@@ -33,10 +33,11 @@ class PrecisionPolicy:
     amp: AmpConfig | None   # GradScaler settings, used only by a precision that needs a scaler
     recipe: str | None = None  # a converting rung's recipe
     convert_ends: bool = False  # a converting rung converts the model's first layer and classifier head too
+    sharded: bool = False   # the model will be sharded by FSDP: fp8's weights all-gathered in fp8
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model as this precision trains it (a converting rung: its eligible layers converted)."""
-        return self.rung.prepare(model, self.recipe, self.convert_ends)
+        return self.rung.prepare(model, self.recipe, self.convert_ends, self.sharded)
 
     def census(self, model: nn.Module, image_size: int) -> dict | None:
         """What this precision converts in ``model`` (unconverted), as ``prepare`` converts it; None if nothing."""

@@ -8,6 +8,7 @@ optimizer steps.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -67,15 +68,17 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
     set_tf32(plan.train.allow_tf32)
-    policy = PrecisionPolicy(plan.precision, device.type, plan.amp, plan.recipe, plan.model.convert_ends)
+    sharded = plan.strategy == "fsdp" and world.active
+    policy = PrecisionPolicy(plan.precision, device.type, plan.amp, plan.recipe, plan.model.convert_ends, sharded)
     input_size = models.input_size(plan.model, meta["image_shape"][-1])
     model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
-    sharded = plan.strategy == "fsdp" and world.active
     if sharded:  # before the optimizer, which takes the shards
         fsdp.shard(model, world, device.type, plan.precision, plan.fsdp_reduce_dtype)
     # over the trained parameters only, as fine-tuning recipes build it: a frozen one gets no state (SGD's momentum)
     opt = optimizer(plan, [p for p in model.parameters() if p.requires_grad])
+    if sharded:
+        fsdp.after_each_step(model, opt)
     return Setup(plan=plan, policy=policy, model=model, opt=opt, scaler=policy.scaler(),
                  step_model=model if sharded else distributed.step_model(model, world, plan), input_size=input_size)
 
@@ -97,7 +100,8 @@ def whole_copy(s: Setup, meta: dict, device: torch.device, state: dict) -> torch
     """An unsharded copy of a sharded setup's model holding ``state`` (its whole state, ``fsdp.full_state``'s), for
     an analysis one rank runs alone (every pass of the sharded model is a collective)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # training's draws unchanged
-        model = s.policy.prepare(models.build(s.plan.model, num_classes=meta["num_classes"], image_size=s.input_size,
-                                              device=device, pretrained=False))
+        unsharded = dataclasses.replace(s.policy, sharded=False)  # its fp8 weights cast as one process casts them
+        model = unsharded.prepare(models.build(s.plan.model, num_classes=meta["num_classes"], image_size=s.input_size,
+                                          device=device, pretrained=False))
     model.load_state_dict(state)
     return model
