@@ -4,6 +4,8 @@ demo's data-parallel variants under a default fsdp strategy."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ampbench import config, models
@@ -62,3 +64,39 @@ def test_the_demo_s_data_parallel_variants_plan_under_a_default_fsdp_strategy():
     plans = {name: runplan.make_plan(cfg, name, "cpu") for name in cfg.variants}
     assert {n: (p.strategy, p.ddp) for n, p in plans.items() if n.endswith(("_fp16comm", "_1proc"))} == {
         "fp32_fp16comm": ("ddp", True), **{n: ("fsdp", False) for n in plans if n.endswith("_1proc")}}
+
+
+def test_the_report_sets_each_fsdp_variant_beside_ddp_s_counts_and_says_what_its_precision_bought():
+    """No DDP run of bf16 (the done-means' set: FSDP fp32, bf16, fp16 beside DDP fp32): bf16 is still set beside
+    DDP's counts (DDP sends fp32 gradients whatever the autocast), and against FSDP fp32 its gathers' savings in
+    memory per rank and bytes sent; the verdict says both."""
+    from ampbench.report import sharded
+    from ampbench.train.fsdp import memory_parts, wire_bytes
+    model = _model()
+    n = sum(q.numel() for q in model.parameters())
+    metrics, rows = {}, []
+    for name, precision, strategy in (("f32", "fp32", "fsdp"), ("f16", "bf16", "fsdp"), ("d32", "fp32", "ddp")):
+        f = {"param_count": n, "trained_count": n, "state_per_param": 1, "param_dtype": "float32",
+             "reduce_dtype": "float32", "wire_bytes_per_step": wire_bytes(model, 2, precision),
+             "memory_per_rank": memory_parts(model, 2, precision)}
+        if precision == "bf16":
+            f["param_dtype"] = "bfloat16"
+        metrics[name] = {"precision": precision, "accum_steps": 1, "peak_mem_bytes": 1 << 20,
+                         **({"fsdp": f} if strategy == "fsdp" else {})}
+        rows.append({"variant": name, "strategy": strategy, "world_size": 2, "grad_comm": None, "imgs_per_s": 100.0,
+                     "final_acc": 0.5, "peak_mem_bytes": 1 << 20})
+    found = sharded.against_fp32([sharded.against_ddp(r, rows, metrics) for r in rows if r["strategy"] == "fsdp"])
+    f32, f16 = found
+    assert f32["against"] == "d32" and f16["against"] is None  # a throughput beside DDP only at the same precision
+    # DDP: the parameters, gradients, buckets and momentum, whole; its fp32 all-reduce on 2 ranks
+    assert f16["against_memory_per_rank"] == f32["against_memory_per_rank"] == 4 * n * 4
+    assert f16["against_wire_bytes_per_step"] == 2 * n * 4 // 2
+    assert f16["fp32_variant"] == "f32" and "fp32_variant" not in f32
+    assert f16["wire_bytes_per_step"] < f32["wire_bytes_per_step"]
+    text = "\n".join(sharded.lines(found))
+    assert re.search(r"bf16 gathers hold \d+% less memory per rank and send \d+% less\.", text)
+    assert "(DDP's all-reduce of the fp32 gradients)" in text
+    verdict = sharded.verdict_sentence(found)
+    assert verdict.startswith(" Sharded with FSDP (counted): f32 held ")
+    assert re.search(r"; f16 \(bf16 gathers\) held \d+% less memory per rank and sent \d+% less than f32\.$",
+                     verdict), verdict

@@ -26,29 +26,42 @@ def ddp_counts(m: dict, world: int, f: dict) -> dict:
 
 
 def against_ddp(row: dict, rows: list[dict], metrics: dict[str, dict]) -> dict:
-    """An FSDP variant beside the DDP one of the same precision, accumulation and processes (fp32 gradient
-    communication first): throughput, accuracy, memory per rank and bytes per step (counted), peak memory
-    (measured)."""
+    """An FSDP variant beside DDP: memory per rank and bytes per step against DDP's, counted for the same model
+    (DDP sends the fp32 gradients whatever the autocast, so its counts need no DDP run); and beside the DDP variant
+    of the same precision, accumulation and processes where one ran (fp32 gradient communication first):
+    throughput, accuracy and peak memory (measured)."""
     m, f = metrics[row["variant"]], metrics[row["variant"]]["fsdp"]
     same = [r for r in rows if r["strategy"] == "ddp" and r["world_size"] == row["world_size"]
             and _same_work(metrics[r["variant"]]) == _same_work(m)]
     base = min(same, key=lambda r: r["grad_comm"] not in (None, "none"), default=None)
     wire = sum(c["bytes"] for c in f["wire_bytes_per_step"].values())
+    counted = ddp_counts(metrics[base["variant"]] if base else {}, row["world_size"], f)
     out = {"variant": row["variant"], "against": base["variant"] if base else None,
-           "world_size": row["world_size"], "precision": m.get("precision"), "param_dtype": f["param_dtype"],
-           "reduce_dtype": f["reduce_dtype"], "memory_per_rank": sum(f["memory_per_rank"].values()),
-           "memory_parts": f["memory_per_rank"], "wire_bytes_per_step": wire,
-           "wire": f["wire_bytes_per_step"], "peak_mem_bytes": m.get("peak_mem_bytes")}
+           "world_size": row["world_size"], "precision": m.get("precision"), "accum_steps": m.get("accum_steps"),
+           "param_dtype": f["param_dtype"], "reduce_dtype": f["reduce_dtype"],
+           "memory_per_rank": sum(f["memory_per_rank"].values()), "memory_parts": f["memory_per_rank"],
+           "wire_bytes_per_step": wire, "wire": f["wire_bytes_per_step"], "peak_mem_bytes": m.get("peak_mem_bytes"),
+           "against_memory_per_rank": counted["memory_per_rank"],
+           "against_wire_bytes_per_step": counted["wire_bytes_per_step"]}
     if base:
-        counted = ddp_counts(metrics[base["variant"]], row["world_size"], f)
         acc, b_acc = row["final_acc"], base["final_acc"]
         out.update(against_grad_comm=base["grad_comm"] or "none",
                    throughput_ratio=ratio(row["imgs_per_s"], base["imgs_per_s"]),
                    acc_diff=acc - b_acc if acc is not None and b_acc is not None else None,
-                   against_memory_per_rank=counted["memory_per_rank"],
-                   against_wire_bytes_per_step=counted["wire_bytes_per_step"],
                    against_peak_mem_bytes=base["peak_mem_bytes"])
     return out
+
+
+def against_fp32(comparisons: list[dict]) -> list[dict]:
+    """``comparisons`` (``against_ddp``'s), each lower-precision one with what its precision bought under FSDP: its
+    memory per rank and bytes per step against the FSDP fp32 variant of the same processes and accumulation."""
+    for c in comparisons:
+        ref = next((r for r in comparisons if r["precision"] == "fp32" and r["world_size"] == c["world_size"]
+                    and r["accum_steps"] == c["accum_steps"] and r is not c), None)
+        if ref and c["precision"] not in ("fp32", "tf32"):
+            c.update(fp32_variant=ref["variant"], fp32_memory_per_rank=ref["memory_per_rank"],
+                     fp32_wire_bytes_per_step=ref["wire_bytes_per_step"])
+    return comparisons
 
 
 PARTS = ("parameters", "gradients", "optimizer_state", "gathered_blocks", "unsharded_block_gradients",
@@ -75,19 +88,25 @@ def lines(comparisons: list[dict]) -> list[str]:
                          for k, w in c["wire"].items())
         head = (f"FSDP (`{c['variant']}`, {c['world_size']} processes, {fmt.dtype(c['param_dtype'])} gathered, "
                 f"{fmt.dtype(c['reduce_dtype'])} reduced)")
+        ddp = (f"against {_mib(c['against_memory_per_rank'])} (every DDP rank holds the whole fp32 parameters, "
+               "gradients, the buckets it all-reduces them in and the optimizer state)")
+        bought = (f" Against FSDP fp32 (`{c['fp32_variant']}`), {fmt.dtype(c['param_dtype'])} gathers hold "
+                  f"{_change(c['memory_per_rank'], c['fp32_memory_per_rank'])} memory per rank and send "
+                  f"{_change(c['wire_bytes_per_step'], c['fp32_wire_bytes_per_step'])}."
+                  if c.get("fp32_variant") else "")
+        sent_vs = f"against {_mib(c['against_wire_bytes_per_step'])} (DDP's all-reduce of the fp32 gradients)"
         if not c["against"]:
-            out += [f"{head}: memory per rank {_mib(c['memory_per_rank'])} counted ({parts}); sent per optimizer "
-                    f"step by each rank {_mib(c['wire_bytes_per_step'])} ({wire}). No DDP variant of the same "
-                    "precision and accumulation ran here: add one to set it beside.", ""]
+            out += [f"{head}: memory per rank {_mib(c['memory_per_rank'])} counted ({parts}) {ddp}; sent per "
+                    f"optimizer step by each rank {_mib(c['wire_bytes_per_step'])} ({wire}) {sent_vs}.{bought} "
+                    "No DDP variant of the same precision and accumulation ran here to set its throughput "
+                    "beside: add one.", ""]
             continue
         out += [f"{head} against DDP (`{c['against']}`, gradients all-reduced in "
                 f"{fmt.dtype({'none': 'float32'}.get(c['against_grad_comm'], c['against_grad_comm']))}): "
                 f"{fmt.against(c)}. "
-                f"Memory per rank, counted: {_mib(c['memory_per_rank'])} ({parts}) against "
-                f"{_mib(c['against_memory_per_rank'])} (every DDP rank holds the whole fp32 parameters, gradients, "
-                f"the buckets it all-reduces them in and the optimizer state). Sent per optimizer step by each "
-                f"rank: {_mib(c['wire_bytes_per_step'])} ({wire}) against "
-                f"{_mib(c['against_wire_bytes_per_step'])} (the all-reduce). Peak memory, measured: "
+                f"Memory per rank, counted: {_mib(c['memory_per_rank'])} ({parts}) {ddp}. Sent per optimizer step "
+                f"by each rank: {_mib(c['wire_bytes_per_step'])} ({wire}) against "
+                f"{_mib(c['against_wire_bytes_per_step'])} (the all-reduce).{bought} Peak memory, measured: "
                 f"{_mib(c['peak_mem_bytes'])} against {_mib(c['against_peak_mem_bytes'])}.", ""]
     if comparisons:
         out += ["Counted: from the model's sizes and the dtypes, a ring's bytes ((N-1)/N of each collective's "
@@ -100,11 +119,27 @@ def lines(comparisons: list[dict]) -> list[str]:
     return out
 
 
+def _change(new: float, old: float) -> str:
+    """"17% less" or "5% more": ``new`` against ``old``."""
+    if not old:
+        return "n/a"
+    d = new / old - 1
+    return "the same" if abs(d) < 0.005 else f"{abs(d):.0%} {'less' if d < 0 else 'more'}"
+
+
 def verdict_sentence(comparisons: list[dict]) -> str:
-    """What sharding bought, in the verdict: memory per rank and bytes moved against DDP, per FSDP variant."""
-    said = [f"{c['variant']} held {_mib(c['memory_per_rank'])} per rank against DDP's "
-            f"{_mib(c['against_memory_per_rank'])} and sent {_mib(c['wire_bytes_per_step'])} a step against "
-            f"{_mib(c['against_wire_bytes_per_step'])}"
-            + (f", at {c['throughput_ratio']:.2f}x DDP's throughput" if c["throughput_ratio"] else "")
-            for c in comparisons if c["against"]]
+    """What sharding bought, in the verdict: memory per rank and bytes moved against DDP's (counted), and what a
+    lower precision bought against FSDP fp32."""
+    said = []
+    for c in comparisons:
+        if c.get("fp32_variant"):
+            memory = _change(c["memory_per_rank"], c["fp32_memory_per_rank"])
+            sent = _change(c["wire_bytes_per_step"], c["fp32_wire_bytes_per_step"])
+            said.append(f"{c['variant']} ({fmt.dtype(c['param_dtype'])} gathers) held {memory} memory per rank "
+                        f"and sent {sent} than {c['fp32_variant']}")
+        else:
+            said.append(f"{c['variant']} held {_mib(c['memory_per_rank'])} per rank against DDP's "
+                        f"{_mib(c['against_memory_per_rank'])} and sent {_mib(c['wire_bytes_per_step'])} a step "
+                        f"against {_mib(c['against_wire_bytes_per_step'])}"
+                        + (f", at {c['throughput_ratio']:.2f}x DDP's throughput" if c.get("throughput_ratio") else ""))
     return f" Sharded with FSDP (counted): {'; '.join(said)}." if said else ""

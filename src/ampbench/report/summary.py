@@ -276,9 +276,9 @@ def scaling(runs: dict[str, dict]) -> dict | None:
                       "acc_diff": acc - b_acc if acc is not None and b_acc is not None else None,
                       "exposed_comm_share": row["exposed_comm_share"],
                       "against_exposed_comm_share": base["exposed_comm_share"]})
-    from ampbench.report.sharded import against_ddp
+    from ampbench.report.sharded import against_ddp, against_fp32
     return {"rows": rows, "grad_comm": comms,
-            "fsdp": [against_ddp(r, rows, metrics) for r in rows if r["strategy"] == "fsdp"]}
+            "fsdp": against_fp32([against_ddp(r, rows, metrics) for r in rows if r["strategy"] == "fsdp"])}
 
 
 def _scaling_row(name: str, m: dict, ref: str | None, metrics: dict[str, dict]) -> dict:
