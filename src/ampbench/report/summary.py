@@ -285,7 +285,8 @@ def _scaling_row(name: str, m: dict, ref: str | None, metrics: dict[str, dict]) 
     world, ips = m["world_size"], m.get("imgs_per_s")
     ref_ips = metrics[ref]["imgs_per_s"] if ref else None
     profile = m.get("profile") or {}
-    comm_ms = ((profile.get("categories") or {}).get("communication") or {}).get("ms_per_step")
+    comm = (profile.get("categories") or {}).get("communication") or {}
+    comm_ms = comm.get("ms_per_step")
     return {"variant": name, "world_size": world, "backend": m.get("backend"), "grad_comm": m.get("grad_comm"),
             "strategy": m.get("strategy") or "ddp",  # (runs from before FSDP: DDP)
             "imgs_per_s": ips, "imgs_per_s_per_process": ips / world if ips else None,
@@ -293,6 +294,8 @@ def _scaling_row(name: str, m: dict, ref: str | None, metrics: dict[str, dict]) 
             "single_threads": metrics[ref].get("cpu_threads") if ref and m.get("device") == "cpu" else None,
             "speedup_vs_single": ratio(ips, ref_ips), "efficiency": ratio(ips, world * ref_ips) if ref_ips else None,
             "exposed_comm_share": (profile.get("communication") or {}).get("exposed_share"),
+            # under FSDP no step runs without its collectives: the profile's share of the step in them instead
+            "collectives_share": comm.get("share") if m.get("strategy") == "fsdp" else None,
             "comm_ms_per_step": comm_ms, "peak_mem_bytes": m.get("peak_mem_bytes"), "final_acc": m.get("final_acc")}
 
 
