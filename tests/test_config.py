@@ -93,6 +93,7 @@ BAD = [  # (key, value, words the message must contain)
     ("model.input_size", -1, ["model.input_size", ">= 0"]),
     ("model.channels_last", "yes", ["model.channels_last", "true or false"]),
     ("train.epochs", 0, ["train.epochs", ">= 1"]),
+    ("seed", 2 ** 70, ["seed = 1180591620717411303424", "<= 2147483647"]),  # torch's generator would overflow
     ("train.batch_size", "256", ["train.batch_size", "integer"]),
     ("train.batch_size", 0, ["train.batch_size", ">= 1"]),
     ("train.lr", 0, ["train.lr", "> 0"]),

@@ -173,7 +173,8 @@ def write_plan(plan: RunPlan, path: Path) -> None:
     d["model"] = model_dict(plan.model)
     if not d["model"]["convert_ends"]:
         del d["model"]["convert_ends"]
-    path.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    from ampbench.results import atomic_write
+    atomic_write(path, json.dumps(d, indent=2, sort_keys=True) + "\n")  # a train stage's dep: never half-written
 
 
 def model_dict(model: ModelConfig) -> dict:

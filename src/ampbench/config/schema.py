@@ -171,7 +171,7 @@ def _default_variants() -> dict[str, Variant]:
 @dataclass(frozen=True)
 class Config:
     device: str = _opt("auto", choices=("auto", "cuda", "cpu"))  # where to train
-    seed: int = _opt(0, lo=0)     # seed for weights, data order and augmentation
+    seed: int = _opt(0, lo=0, hi=2 ** 31 - 1)  # seed for weights, data order and augmentation (a 31-bit number)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
