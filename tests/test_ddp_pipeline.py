@@ -112,8 +112,8 @@ def test_dvc_repro_trains_under_torchrun_with_one_writer(ddp_pipeline):
             "all-reduced in fp16): ") in report
     assert " Sharded with FSDP (counted): bf16_fsdp held " in verdict_of(report)
     # no step runs without its collectives: the profile's share of the step in them, gloo's labelled emulated
-    assert re.search(r"\| bf16_fsdp \| 2 \| gloo \| fp32 reduce-scatter, bf16 all-gather \|.*\| \d+% in its "
-                     r"collectives \(profile, emulated: gloo\) \|", report)
+    assert re.search(r"\| bf16_fsdp \| 2 \| gloo \| fp32 reduce-scatter, bf16 all-gather \|.*\| \d+% in them "
+                     r"\(profile, emulated: gloo\) \|", report)
     assert "| fp32 | 2 | gloo | fp32 |" in report and "`fp32_1proc`" in report
     assert "- Processes: 2 (torchrun, gloo backend) for fp32, bf16_accum, bf16_fsdp; one for fp32_1proc" in report
     assert "Data-parallel over 2 processes (gloo): fp32 ran " in verdict_of(report)  # the verdict says it

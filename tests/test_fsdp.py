@@ -118,7 +118,7 @@ def _worker(rank: int, port: int, folder: str) -> None:
     for name, reduce in (("bf16", "fp32"), ("fp16", "fp32"), ("bf16", "bf16")):
         ddp_model, sharded = _model(), fsdp.shard(_model(), world, "cpu", name, reduce)
         for model in (DDP(ddp_model), sharded):
-            with torch.autocast("cpu", dtype=fsdp.PARAM_DTYPES[name]), _counting() as sent:
+            with torch.autocast("cpu", dtype=fsdp.param_dtype(name)), _counting() as sent:
                 F.cross_entropy(model(x), y).backward()
         out[f"{name}_{reduce}_sent"] = sent
         out[f"{name}_{reduce}_counted"] = fsdp.wire_bytes(sharded, WORLD, name, reduce)
@@ -163,7 +163,7 @@ def _fp8(world, x, y) -> dict:
         if sharded:
             fsdp.shard(model, world, "cpu", "fp8")
         opt = _sgd(model)
-        fsdp.after_each_step(model, opt)
+        fsdp.after_each_step(model, opt, "fp8" if sharded else "fp32")
         stepped = model if sharded else DDP(model)
         for i in range(3):
             opt.zero_grad(set_to_none=True)
@@ -306,6 +306,7 @@ def _runs_worker(rank: int, port: int, folder: str) -> None:
             out[f"{variant}_{strategy}"] = {
                 "history": [[row["train_loss"], row["eval_loss"], row["eval_acc"]] for row in result.history],
                 "weights": {k: v.tolist() for k, v in (result.weights or {}).items()},
+                "plain": all(type(v) is torch.Tensor for v in (result.weights or {}).values()),
                 "strategy": m["strategy"], "fsdp": m.get("fsdp"), "audited": bool(result.numerics),
                 "profiled": "error" not in m["profile"], "not_made": m["not_made"]}
     # the checkpoint after the first epoch, whole, loaded into a fresh sharded trainer: the second epoch is the same
@@ -319,13 +320,17 @@ def _runs_worker(rank: int, port: int, folder: str) -> None:
         if world.main:
             torch.save(state, path)
         world.barrier()
+        # loaded into a trainer two epochs on (fp8: its scales of other weights, which a load must replace)
         second = Trainer(plan, prepared, progress=False, world=world)
+        second.run_epoch()
+        second.run_epoch()
         second.load_state_dict(torch.load(path, weights_only=True))
         first.run_epoch()
         second.run_epoch()
         out[f"{variant}_resumed_equal"] = all(
             torch.equal(fsdp.full(a.detach()), fsdp.full(b.detach()))
             for a, b in zip(first.model.parameters(), second.model.parameters(), strict=True))
+        out[f"{variant}_state_plain"] = all(type(v) is torch.Tensor for v in state["model"].values())
         if variant == "fp32":
             out["state_whole"] = sorted(state["model"]) == sorted(_model().state_dict()) if world.main else None
         world.barrier()
@@ -359,6 +364,9 @@ def test_a_run_under_fsdp_trains_as_under_ddp_and_writes_its_whole_weights(runs)
         assert sharded["fsdp"]["blocks"] == (["1", "2", "3", "4"] if variant == "fp8" else ["0", "2", "4", "7"])
     assert main["amp_fsdp"]["audited"] and main["amp_fsdp"]["fsdp"]["param_dtype"] == "float16"
     assert main["amp_fsdp"]["fsdp"]["reduce_dtype"] == "float32"
+    # model.pt holds plain tensors (fp8's weights come from FSDP as torchao's subclass): it loads with weights_only
+    # where torchao is not imported
+    assert all(main[f"{v}_fsdp"]["plain"] for v in ("fp32", "amp", "fp8"))
     fp8 = main["fp8_fsdp"]["fsdp"]  # its converted weights gathered in fp8, the rest of a block in bf16
     assert fp8["param_dtype"] == "bfloat16" and fp8["wire_bytes_per_step"]["all_gather"]["by_dtype"]["float8_e4m3fn"]
     assert runs[1]["fp32_fsdp"]["weights"] == {}  # rank 0 alone writes
@@ -367,3 +375,4 @@ def test_a_run_under_fsdp_trains_as_under_ddp_and_writes_its_whole_weights(runs)
 def test_an_fsdp_checkpoint_is_whole_and_resumes_to_the_same_weights(runs):
     assert runs[0]["state_whole"]
     assert all(r["fp32_resumed_equal"] and r["fp8_resumed_equal"] for r in runs)
+    assert all(r["fp32_state_plain"] and r["fp8_state_plain"] for r in runs)

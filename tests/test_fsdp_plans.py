@@ -24,7 +24,8 @@ def test_the_blocks_sharded_are_the_repeated_ones():
 
 @pytest.mark.parametrize(("variant", "train", "said"), [
     ({"precision": "bf16", "grad_comm": "fp16"}, {}, "grad_comm fp16 is DDP's gradient compression"),
-    ({"precision": "fp8", "recipe": "rowwise"}, {}, "fp8 recipe 'rowwise' under FSDP: torchao's float8 all-gather"),
+    ({"precision": "fp8", "recipe": "rowwise"}, {}, "fp8 recipe 'rowwise' under FSDP: torchao all-gathers its weights "
+     "in their own format with the tensorwise recipe only; set recipe: tensorwise, or give"),
     ({"precision": "mxfp8"}, {}, "precision mxfp8 has no all-gather of its own format under FSDP"),
     ({"precision": "bf16"}, {"compile": True}, "train.compile True compiles it"),
     ({"precision": "bf16"}, {"optimizer": "adafactor"}, "adafactor's factored state does not run"),
@@ -48,6 +49,11 @@ def test_fsdp_takes_sgd_s_foreach_where_auto_would_fuse_it_and_counts_accumulati
                                                            "d": {"precision": "bf16"}},
                             "distributed": {"nproc_per_node": 2}})
     assert runplan.make_plan(cfg, "f", "cuda").train.optimizer_impl == "foreach"
+    # fp8 compiles by default on CUDA (train.compile auto); under FSDP auto trains eager, not a refusal
+    fp8 = config.from_dict({"device": "cuda", "variants": {"f": {"precision": "fp8", "strategy": "fsdp"},
+                                                           "d": {"precision": "fp8"}},
+                            "distributed": {"nproc_per_node": 2}})
+    assert not runplan.make_plan(fp8, "f", "cuda").train.compile and runplan.make_plan(fp8, "d", "cuda").train.compile
     assert runplan.make_plan(cfg, "d", "cuda").train.optimizer_impl == "fused"
     model = _model()
     trained = sum(q.numel() for q in model.parameters())
@@ -94,9 +100,13 @@ def test_the_report_sets_each_fsdp_variant_beside_ddp_s_counts_and_says_what_its
     assert f16["fp32_variant"] == "f32" and "fp32_variant" not in f32
     assert f16["wire_bytes_per_step"] < f32["wire_bytes_per_step"]
     text = "\n".join(sharded.lines(found))
-    assert re.search(r"bf16 gathers hold \d+% less memory per rank and send \d+% less\.", text)
+    assert re.search(r"bf16 gathers hold \d+% less memory per rank and send \d+% less bytes\.", text)
     assert "(DDP's all-reduce of the fp32 gradients)" in text
     verdict = sharded.verdict_sentence(found)
     assert verdict.startswith(" Sharded with FSDP (counted): f32 held ")
-    assert re.search(r"; f16 \(bf16 gathers\) held \d+% less memory per rank and sent \d+% less than f32\.$",
-                     verdict), verdict
+    assert re.search(r"; f16 \(bf16 gathers\) held \d+% less memory per rank and sent \d+% less bytes against "
+                     r"f32\.$", verdict), verdict
+    # fp8's converted weights gathered in fp8 beside the rest in bf16: said so, not "bf16"
+    fp8 = dict(f16, wire={"all_gather": {"by_dtype": {"bfloat16": 10, "float8_e4m3fn": 5, "float32": 1}}})
+    assert sharded.gathered(fp8) == "float8 and bf16" and sharded.sent(fp8) == "fp32 reduce-scatter, float8 and bf16 "\
+        "all-gather"

@@ -35,6 +35,10 @@ def test_the_link_is_the_one_that_joins_that_many_gpus():
     assert links.link(roofline.find_gpu("RTX 4090"), 4)["gbps"] == 64
     assert links.link(roofline.find_gpu("GH200 96GB HBM3"), 2) is None
     assert links.link(roofline.find_gpu("B200"), 8)["gbps"] == 1800
+    a100 = roofline.find_gpu("A100 40GB")  # the row of the SXM4 board and the PCIe card: named SXM, NVSwitch's 8
+    assert links.link(a100, 8)["gbps"] == 64 and links.link(a100, 8, "A100-SXM4-40GB")["gbps"] == 600
+    with pytest.raises(ConfigError, match="a global batch of 4 over 8 GPUs leaves a GPU without an image"):
+        links.share(4, 8)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +114,24 @@ def test_the_command_prints_n_gpus_and_refuses_what_it_cannot_count(tmp_path, mo
         assert stop.value.code == 2 and said in err and err.count("\n") == 1, err
     with pytest.raises(ConfigError, match="--strategy 'zero'"):
         links.check(2, "zero")
+
+
+def test_fp8_under_fsdp_counts_its_gathers_in_fp8_and_a_recipe_fsdp_refuses_is_n_a(tmp_path, monkeypatch, capsys):
+    """A model whose blocks fp8 converts (test_fsdp's MLP): its converted weights counted gathered in one byte; with
+    the rowwise recipe, which FSDP here refuses, the row says why (n/a), as `dvc repro` would refuse it."""
+    from ampbench import cli
+    run = ["ampbench", "roofline", "--params", str(tmp_path / "params.yaml"), "--gpu", "H100 SXM", "--nproc", "2",
+           "--strategy", "fsdp"]
+    for recipe in ("tensorwise", "rowwise"):
+        (tmp_path / "params.yaml").write_text(
+            "device: cpu\ndata: {source: synthetic}\nmodel: {factory: 'tests.test_fsdp:mlp'}\n"
+            f"train: {{batch_size: 64}}\nvariants: {{f8: {{precision: fp8, recipe: {recipe}}}}}\n")
+        monkeypatch.setattr(sys, "argv", run)
+        cli.main()
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("| fp8 |"))
+        if recipe == "tensorwise":
+            assert re.search(r"all-gather [\d.]+ [KM]iB bf16\+float8; reduce-scatter", row), row
+            assert "fp8: counted with its scaling fused" in out and "ampbench trains eager" in out
+        else:
+            assert "n/a: fp8 recipe 'rowwise' under FSDP: torchao all-gathers its weights in their own format" in row

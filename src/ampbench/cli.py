@@ -183,7 +183,7 @@ def _roofline_n(args, cfg, rows) -> None:
     per_gpu = links.share(batch, args.nproc)
     found = roofline.for_config(cfg, optim.for_count, per_gpu)
     model, state = links.model_counts(cfg, optim.for_count)
-    link = links.link(row, args.nproc)
+    link = links.link(row, args.nproc, args.gpu)
     params = sum(q.numel() for q in model.parameters())
     print(f"Roofline of one training step on {args.nproc} {row['name']} GPUs ({strategy.upper()}): "
           f"{found['model']}, {params / 1e6:,.2f} M parameters, global batch {batch} ({per_gpu} per GPU), "
@@ -201,9 +201,15 @@ def _roofline_n(args, cfg, rows) -> None:
         from ampbench.precision import rung
         return rung(p).prepare(copy.deepcopy(meta), runplan.recipe(cfg, p), cfg.model.convert_ends, sharded=True) \
             if rung(p).converts else meta
+    from ampbench import runplan
+    refusals = {p: why for p in found["ops"] if (why := runplan.fsdp_refusal(cfg, p))} if strategy == "fsdp" else {}
     t = links.table(found["ops"], row, model, state, args.nproc, strategy, batch, cfg.distributed.fsdp_reduce_dtype,
-                    args.launch_us, prepare)
+                    args.launch_us, prepare, refusals)
     print("\n".join(data_parallel_table(t, link, args.nproc, strategy)))
+    fused = [p for p, c in t.items() if "na" not in c and precision.rung(p).fast_compiled]
+    if strategy == "fsdp" and fused:  # counted as compiled; under FSDP ampbench trains eager
+        print(f"\n{', '.join(fused)}: counted with its scaling fused, as torch.compile fuses it; under FSDP ampbench "
+              "trains eager (train.compile auto does not compile there), which moves more bytes than this row")
     print("\nThe step is the longer of one GPU's kernels and the collectives' time on the link (overlapped, as DDP's "
           "buckets and FSDP's prefetch overlap them at best); NCCL reaches about 80% of a link's figure. "
           + roofline_note(args.launch_us))

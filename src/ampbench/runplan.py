@@ -103,18 +103,31 @@ def _check_fsdp(plan: RunPlan, compile_setting, impl_setting: str) -> RunPlan:
     if plan.grad_comm != "none":
         raise ConfigError(f"{where}: grad_comm {plan.grad_comm} is DDP's gradient compression; FSDP reduce-scatters "
                           "the gradients in distributed.fsdp_reduce_dtype: set grad_comm: none for it")
-    if rung(plan.precision).converts and plan.precision != "fp8":
-        raise ConfigError(f"{where}: precision {plan.precision} has no all-gather of its own format under FSDP "
-                          "(torchao's is fp8's, tensorwise); use precision fp8 with recipe: tensorwise, or give this "
-                          "variant strategy: ddp")
-    if plan.precision == "fp8" and plan.recipe != "tensorwise":
-        raise ConfigError(f"{where}: fp8 recipe {plan.recipe!r} under FSDP: torchao's float8 all-gather casts each "
-                          "shard with the whole weight's scale, which only the tensorwise recipe has; set recipe: "
-                          "tensorwise, or give this variant strategy: ddp")
-    if plan.train.compile:
+    r = rung(plan.precision)
+    why = r.fsdp_refuses(plan.recipe)
+    if why:
+        fix = f"set recipe: {r.fsdp_recipes[0]}, or" if r.fsdp_recipes else "use another precision, or"
+        raise ConfigError(f"{where}: {why}; {fix} give this variant strategy: ddp")
+    if plan.train.compile and compile_setting == "auto":  # auto: compiled where it runs; FSDP here runs eager
+        plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, compile=False))
+    elif plan.train.compile:
         raise ConfigError(f"{where}: train.compile {compile_setting!r} compiles it, which FSDP here does not support "
-                          "yet; set train.compile: false (or auto on a CPU), or give this variant strategy: ddp")
+                          "yet; set train.compile: auto (eager under FSDP) or false, or give this variant strategy: "
+                          "ddp")
     return plan
+
+
+def fsdp_refusal(cfg: Config, precision: str, device: str = "cuda") -> str | None:
+    """Why ``precision`` with params.yaml's settings would not train under FSDP on ``device`` (``_check_fsdp``'s
+    refusal, said without a variant: the roofline for N GPUs), or None."""
+    plan = dataclasses.replace(for_precision(cfg, precision, device), strategy="fsdp", ddp=True)
+    plan = dataclasses.replace(plan, train=dataclasses.replace(
+        plan.train, compile=compiled(cfg, precision, device)))
+    try:
+        _check_fsdp(plan, cfg.train.compile, cfg.train.optimizer_impl)
+    except ConfigError as err:
+        return str(err).split("(strategy: fsdp): ", 1)[-1]
+    return None
 
 
 def for_precision(cfg: Config, precision: str, device: str) -> RunPlan:

@@ -7,8 +7,8 @@ sees whether the collectives or the kernels bound the step before owning the mac
 cards) and the PCIe slot. A ring collective sends and receives at once, so each GPU sends at half that figure.
 None: no source gives it (the row says n/a and why). What each rank sends (``train.fsdp``'s counts):
 
-- DDP: a ring all-reduce of the trained parameters' gradients, 2 (N-1)/N of them, in fp32 (in the precision's
-  dtype, half the bytes, with ``grad_comm``);
+- DDP: a ring all-reduce of the trained parameters' gradients, 2 (N-1)/N of them, in fp32 (the gradients of the
+  fp32 weights, whatever the autocast);
 - FSDP: every unit's parameters all-gathered in ``param_dtype`` for the forward and again for the backward, and the
   gradients reduce-scattered in ``reduce_dtype``, (N-1)/N each time.
 
@@ -77,12 +77,15 @@ LINKS: dict[str, dict | None] = {
 }
 
 
-def link(row: dict, nproc: int) -> dict | None:
+def link(row: dict, nproc: int, named: str = "") -> dict | None:
     """The link ``nproc`` GPUs of ``row``'s kind train over: NVLink where it joins that many, else the PCIe slot;
-    ``{"name", "gbps" (both directions, as printed), "source"}``, or None where no source gives one."""
+    ``{"name", "gbps" (both directions, as printed), "source"}``, or None where no source gives one. ``named``: the
+    GPU as the user named it (an A100 40GB named SXM sits on an NVSwitch board of 8)."""
     found = LINKS.get(row["name"])
     if not found:
         return None
+    if row["name"] == "A100 40GB" and "SXM" in named.upper():
+        found = {**found, "nvlink_gpus": NODE, "nvlink_how": _SWITCH}
     if found["nvlink_gbps"] and nproc <= found["nvlink_gpus"]:
         return {"name": found["nvlink_how"], "gbps": found["nvlink_gbps"], "source": found["source"]}
     if found["pcie"]:
@@ -123,12 +126,14 @@ def check(nproc: int, strategy: str) -> None:
 
 def table(ops: dict[str, list], row: dict, model, state_per_param: int, nproc: int, strategy: str,
           global_batch: int, reduce_dtype: str = "fp32", launch_us: float | None = None,
-          prepare=None) -> dict[str, dict]:
+          prepare=None, refusals: dict[str, str] | None = None) -> dict[str, dict]:
     """Per precision on ``nproc`` GPUs of ``row``'s kind (``ops`` counted at one GPU's share of ``global_batch``):
     one GPU's kernel step, the bytes each GPU sends per step and their time on the link, the step (the longer of
     the two), img/s over all GPUs, what bounds it, and the memory per GPU by part (counted; activations on top).
     ``prepare(precision, model)``: ``model`` (meta) as that precision shards it (fp8: converted, its weights
-    gathered in fp8); by default as it is."""
+    gathered in fp8); by default as it is. ``refusals``: why a precision would not train under FSDP here
+    (``runplan.fsdp_refusal``), its row n/a."""
+    refusals = refusals or {}
     from ampbench.measure import roofline
     from ampbench.report.sharded import ddp_counted
     from ampbench.train import fsdp
@@ -139,8 +144,8 @@ def table(ops: dict[str, list], row: dict, model, state_per_param: int, nproc: i
     params = sum(q.numel() for q in model.parameters())
     for p, p_ops in ops.items():
         why = roofline.unavailable(p, p_ops, row)
-        if not why and strategy == "fsdp" and p not in ("fp32", "tf32", *fsdp.PARAM_DTYPES):
-            why = f"{p} does not train under FSDP here (ampbench refuses it: use DDP)"
+        if not why and strategy == "fsdp":
+            why = refusals.get(p)
         t = None if why else roofline.step_time(p_ops, row, p, launch_us)
         if t is None:
             out[p] = {"na": why or f"no {p} rate on {row['name']} for a dtype this step runs in"}
@@ -167,5 +172,9 @@ def table(ops: dict[str, list], row: dict, model, state_per_param: int, nproc: i
 
 
 def share(global_batch: int, nproc: int) -> int:
-    """One GPU's images per step: the global batch split over the GPUs (the last ones get one fewer)."""
+    """One GPU's images per step: the global batch split over the GPUs (the last ones get one fewer); a batch
+    smaller than the GPUs is refused (a GPU without an image)."""
+    if global_batch < nproc:
+        raise ConfigError(f"a global batch of {global_batch} over {nproc} GPUs leaves a GPU without an image; give "
+                          f"--batch {nproc} or more (or fewer GPUs)")
     return math.ceil(global_batch / nproc)

@@ -48,6 +48,7 @@ class Rung:
     gate: str | None = None         # the env.json GPU flag it needs (True there), if any
     gate_fix: str = ""              # what to do on a GPU without it
     recipes: tuple[str, ...] = ()   # the recipes it takes (the first is the default); () = none
+    fsdp_recipes: tuple[str, ...] = ()  # a converting rung's recipes FSDP runs: its weights gathered in its format
     cpu_recipes: tuple[str, ...] = ()  # those that run on a CPU, when not all of them do
     emulated_on_cpu: bool = False   # a CPU has no such arithmetic: a step there shows it runs, not its speed
     always_counted: bool = True     # the roofline counts it even when no variant trains in it
@@ -56,11 +57,30 @@ class Rung:
     fast_compiled: bool = False     # fast only under torch.compile: train.compile auto compiles it on CUDA
 
     # --- what a family may override -------------------------------------------------------------------------
-    def prepare(self, model, recipe: str | None = None, ends: bool = False, sharded: bool = False):
+    def prepare(self, model, recipe: str | None = None, ends: bool = False, **kw):
         """The model as this rung trains it (in place): a converting family swaps its layers (``ends``: the
-        model's first layer and classifier head too, which it leaves in high precision by default; ``sharded``:
-        for FSDP, its converted weights all-gathered in the low format where the family can)."""
+        model's first layer and classifier head too, which it leaves in high precision by default; ``sharded=True``
+        (passed only then): for FSDP, its converted weights all-gathered in its format, ``fsdp_recipes``)."""
         return model
+
+    def fsdp_refuses(self, recipe: str | None) -> str | None:
+        """Why this rung (with ``recipe``) does not train under FSDP here, or None: a converting rung needs an
+        all-gather of its own format for that recipe (``fsdp_recipes``)."""
+        if not self.converts or (recipe or self.default_recipe) in self.fsdp_recipes:
+            return None
+        if not self.fsdp_recipes:
+            return f"precision {self.name} has no all-gather of its own format under FSDP"
+        return (f"{self.name} recipe {recipe!r} under FSDP: torchao all-gathers its weights in their own format with "
+                f"the {' or '.join(self.fsdp_recipes)} recipe only")
+
+    def fsdp_low_weights(self, model) -> set[int]:
+        """The ids of the weights FSDP all-gathers in this rung's own low format (a converted model's, prepared
+        ``sharded``); none for a rung that converts nothing."""
+        return set()
+
+    def fsdp_after_step(self, model) -> None:
+        """What a model sharded with low-format weights needs after each optimizer step (and after its weights are
+        loaded): nothing, unless the family says."""
 
     def census(self, model, recipe: str | None, image_size: int, ends: bool = False) -> dict | None:
         """What the conversion changes in ``model`` (on a meta copy): ``{"recipe", "converted", "called", ...}``,

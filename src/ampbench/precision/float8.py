@@ -101,6 +101,16 @@ class Float8(LinearRung):
     def prepare(self, model, recipe: str | None = None, ends: bool = False, sharded: bool = False):
         return convert(model, recipe or self.default_recipe, ends, sharded)
 
+    def fsdp_low_weights(self, model) -> set[int]:
+        return {id(m.weight) for _, m in _converted_layers(model) if m.config.enable_fsdp_float8_all_gather}
+
+    def fsdp_after_step(self, model) -> None:
+        """The scales of the next all-gathers, all weights' at once (one all-reduce of their amaxes: torchao's
+        ``precompute_float8_dynamic_scale_for_fsdp``, as torchtitan hooks it); a collective, every rank calls it.
+        Without it each gather computes its own, and after a load the weights would keep their old scales."""
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
     def census(self, model, recipe: str | None, image_size: int, ends: bool = False) -> dict:
         return layers(model, recipe or self.default_recipe, image_size, ends)
 
@@ -175,6 +185,7 @@ RUNGS = [
            gate_fix="fp8 tensor cores need compute capability 8.9 or later (Ada, Hopper, Blackwell); remove that "
                     "variant, or use bf16",
            recipes=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+           fsdp_recipes=("tensorwise",),  # torchao's float8 all-gather: tensorwise scaling only
            cpu_recipes=("tensorwise", "rowwise"),  # rowwise_with_gw_hp's bf16 gradient GEMM fails under CPU autocast
            emulated_on_cpu=True, always_counted=False, scaling_files=SCALING_FILES, multiple=MULTIPLE,
            fast_compiled=True,

@@ -160,8 +160,8 @@ def layers(model, recipe: str, image_size: int, ends: bool = False) -> dict:
 
 @dataclass(frozen=True)
 class MXFP8(LinearRung):
-    def prepare(self, model, recipe: str | None = None, ends: bool = False, sharded: bool = False):
-        return convert(model, recipe or self.default_recipe, ends)  # (not under FSDP: runplan refuses it)
+    def prepare(self, model, recipe: str | None = None, ends: bool = False, **kw):
+        return convert(model, recipe or self.default_recipe, ends)  # (no fsdp_recipes: runplan refuses FSDP)
 
     def census(self, model, recipe: str | None, image_size: int, ends: bool = False) -> dict:
         return layers(model, recipe or self.default_recipe, image_size, ends)

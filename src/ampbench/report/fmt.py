@@ -148,6 +148,6 @@ def same_arithmetic(row: dict) -> bool:
 
 
 def dtype(name: str) -> str:
-    """A torch dtype's name as the ladder's rungs say it: float32 fp32, bfloat16 bf16, float16 fp16, fp8's e4m3
-    fp8."""
-    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}.get(name, name)
+    """A torch dtype's name as the ladder's rungs say it: float32 fp32, bfloat16 bf16, float16 fp16, float8_e4m3fn
+    float8."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "float8"}.get(name, name)

@@ -74,7 +74,7 @@ def scaling(summary: dict, env: dict, runs: dict) -> list[str]:
            "How each data-parallel variant scaled against the same precision in one process.", "",
            "| variant | processes | backend | gradients sent as | img/s, all processes | img/s per process "
            "| against one process | scaling efficiency | "
-           + ("collectives per step (profile) | step time waiting on them |" if fs else
+           + ("collectives per step (profile) | step time waiting on them (DDP) or in them (FSDP) |" if fs else
               "all-reduce per step (profile) | step time waiting on the all-reduce |"),
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in s["rows"]:
@@ -84,7 +84,7 @@ def scaling(summary: dict, env: dict, runs: dict) -> list[str]:
             {"none": "fp32", None: "fp32"}.get(r["grad_comm"], r["grad_comm"])
         wait = fmt.pct(r["exposed_comm_share"])
         if r.get("collectives_share") is not None:  # FSDP: the profile's share, gloo's emulated
-            wait = (f"{fmt.pct(r['collectives_share'])} in its collectives (profile"
+            wait = (f"{fmt.pct(r['collectives_share'])} in them (profile"
                     f"{', emulated: gloo' if r['backend'] == 'gloo' else ''})")
         out.append(f"| {r['variant']} | {r['world_size']} | {r['backend']} | {comm} | {r['imgs_per_s'] or 0:,.0f} "
                    f"| {r['imgs_per_s_per_process'] or 0:,.0f} | {against} | {fmt.pct(r['efficiency'])} "
@@ -100,9 +100,10 @@ def scaling(summary: dict, env: dict, runs: dict) -> list[str]:
             "all-reduce per optimizer step. Evaluation is sharded over the processes (rank 0's BatchNorm "
             "statistics), its sums all-reduced. All-reduce per step is the time of the communication ops in the step "
             "profile (on a CPU their own time in gloo, much of it overlapping the backward pass)."
-            + (" Under FSDP a step without its collectives is no step (the all-gathers bring the weights), so the "
-               "wait is the profile's share of the step in them; on gloo it is emulated, not what NCCL would take: "
-               "gloo runs the reduce-scatter as an all-reduce, on the CPU's own threads." if fs else ""), ""]
+            + (" Under FSDP a step without its collectives is no step (the all-gathers bring the weights), so its "
+               "figure is the profile's share of the step spent in them, overlapped or not: not a wait. On gloo it "
+               "is emulated, not what NCCL would take: gloo runs the reduce-scatter as an all-reduce, on the CPU's "
+               "own threads." if fs else ""), ""]
     threads = sorted({(r["threads"], r["single_threads"]) for r in s["rows"] if r.get("single_threads")})
     if threads:
         out += ["CPU threads: " + "; ".join(f"{a} per DDP process, {b} in the one-process run" for a, b in threads)

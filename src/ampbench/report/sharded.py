@@ -72,9 +72,18 @@ def _mib(b) -> str:
     return f"{b / fmt.MIB:,.2f} MiB" if b is not None else "n/a"
 
 
+def gathered(c: dict) -> str:
+    """The dtypes a variant's blocks are all-gathered in, as the report says them: "bf16", "float8 and bf16" (a
+    converting rung's weights in its own format beside the rest), "fp32" (no policy); BatchNorm's and the root's
+    own fp32 left out."""
+    low = [d for d in (c.get("wire", {}).get("all_gather", {}).get("by_dtype") or {}) if d != "float32"]
+    low = sorted(low, key=lambda d: d.startswith("float8"), reverse=True)  # the low format first
+    return " and ".join(fmt.dtype(d) for d in low) or fmt.dtype(c["param_dtype"])
+
+
 def sent(c: dict) -> str:
     """The table's "gradients sent as" cell of an FSDP variant."""
-    return f"{fmt.dtype(c['reduce_dtype'])} reduce-scatter, {fmt.dtype(c['param_dtype'])} all-gather"
+    return f"{fmt.dtype(c['reduce_dtype'])} reduce-scatter, {gathered(c)} all-gather"
 
 
 def lines(comparisons: list[dict]) -> list[str]:
@@ -86,13 +95,13 @@ def lines(comparisons: list[dict]) -> list[str]:
         wire = ", ".join(f"{k.replace('_', '-')} {_mib(w['bytes'])} in "
                          + " and ".join(fmt.dtype(d) for d in (w.get("by_dtype") or {w["dtype"]: 0}))
                          for k, w in c["wire"].items())
-        head = (f"FSDP (`{c['variant']}`, {c['world_size']} processes, {fmt.dtype(c['param_dtype'])} gathered, "
+        head = (f"FSDP (`{c['variant']}`, {c['world_size']} processes, {gathered(c)} gathered, "
                 f"{fmt.dtype(c['reduce_dtype'])} reduced)")
         ddp = (f"against {_mib(c['against_memory_per_rank'])} (every DDP rank holds the whole fp32 parameters, "
                "gradients, the buckets it all-reduces them in and the optimizer state)")
-        bought = (f" Against FSDP fp32 (`{c['fp32_variant']}`), {fmt.dtype(c['param_dtype'])} gathers hold "
-                  f"{_change(c['memory_per_rank'], c['fp32_memory_per_rank'])} memory per rank and send "
-                  f"{_change(c['wire_bytes_per_step'], c['fp32_wire_bytes_per_step'])}."
+        bought = (f" Against FSDP fp32 (`{c['fp32_variant']}`), {gathered(c)} gathers "
+                  f"{_held(c['memory_per_rank'], c['fp32_memory_per_rank'], 'hold')} and "
+                  f"{_sent(c['wire_bytes_per_step'], c['fp32_wire_bytes_per_step'], 'send')}."
                   if c.get("fp32_variant") else "")
         sent_vs = f"against {_mib(c['against_wire_bytes_per_step'])} (DDP's all-reduce of the fp32 gradients)"
         if not c["against"]:
@@ -120,11 +129,17 @@ def lines(comparisons: list[dict]) -> list[str]:
 
 
 def _change(new: float, old: float) -> str:
-    """"17% less" or "5% more": ``new`` against ``old``."""
-    if not old:
-        return "n/a"
+    """"17% less", "5% more" or "the same": ``new`` against ``old`` (a count, never 0 here)."""
     d = new / old - 1
     return "the same" if abs(d) < 0.005 else f"{abs(d):.0%} {'less' if d < 0 else 'more'}"
+
+
+def _held(new: float, old: float, verb: str) -> str:
+    return f"{verb} {_change(new, old)} memory per rank"
+
+
+def _sent(new: float, old: float, verb: str) -> str:
+    return f"{verb} {_change(new, old)} bytes" if _change(new, old) != "the same" else f"{verb} as many bytes"
 
 
 def verdict_sentence(comparisons: list[dict]) -> str:
@@ -133,10 +148,10 @@ def verdict_sentence(comparisons: list[dict]) -> str:
     said = []
     for c in comparisons:
         if c.get("fp32_variant"):
-            memory = _change(c["memory_per_rank"], c["fp32_memory_per_rank"])
-            sent = _change(c["wire_bytes_per_step"], c["fp32_wire_bytes_per_step"])
-            said.append(f"{c['variant']} ({fmt.dtype(c['param_dtype'])} gathers) held {memory} memory per rank "
-                        f"and sent {sent} than {c['fp32_variant']}")
+            said.append(f"{c['variant']} ({gathered(c)} gathers) "
+                        f"{_held(c['memory_per_rank'], c['fp32_memory_per_rank'], 'held')} and "
+                        f"{_sent(c['wire_bytes_per_step'], c['fp32_wire_bytes_per_step'], 'sent')} against "
+                        f"{c['fp32_variant']}")
         else:
             said.append(f"{c['variant']} held {_mib(c['memory_per_rank'])} per rank against DDP's "
                         f"{_mib(c['against_memory_per_rank'])} and sent {_mib(c['wire_bytes_per_step'])} a step "

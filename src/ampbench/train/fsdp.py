@@ -15,7 +15,7 @@ forward) and its gradients reduce-scattered in ``reduce_dtype``. The rungs map a
 - fp8 (tensorwise): torchao's float8 all-gather, as torchtitan runs it: each converted weight's shard is cast to
   fp8 with the scale of the whole weight (its amax all-reduced once per step after the optimizer's, torchao's
   ``precompute_float8_dynamic_scale_for_fsdp``) and gathered in fp8; the rest of a block in bf16, the reduce as
-  bf16's. The fp8 weights are those DDP's Float8Linear casts from the same fp32 weights, bit for bit.
+  bf16's. The fp8 weights are those DDP's converted layers cast from the same fp32 weights, bit for bit.
 
 The autocast of the rung runs as under DDP (the numerically sensitive ops stay fp32), over the gathered copies,
 on the activations as DDP's see them: a block's policy does not cast its inputs, and the root's own parameters
@@ -34,8 +34,17 @@ from torch import nn
 from ampbench.errors import ConfigError
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# the rungs with a policy; the others: none. fp8's converted weights are all-gathered in fp8 (``float8_weights``)
-PARAM_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+
+
+def param_dtype(precision: str) -> torch.dtype | None:
+    """The dtype a rung's blocks are all-gathered in: its autocast dtype (a converting rung's converted weights in
+    its own format, ``Rung.fsdp_low_weights``); None for a rung without autocast (fp32, tf32: no policy)."""
+    from ampbench.precision import rung
+    a = rung(precision).autocast
+    return getattr(torch, a) if a else None
+
+
+
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -70,12 +79,13 @@ def _has_params(module: nn.Module) -> bool:
 def policy(precision: str, reduce_dtype: str = "fp32"):
     """The ``MixedPrecisionPolicy`` of a rung (None where it has none: fp32, tf32)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
-    if precision not in PARAM_DTYPES:
+    low = param_dtype(precision)
+    if low is None:
         return None
     if reduce_dtype not in REDUCE_DTYPES:
         raise ConfigError(f"distributed.fsdp_reduce_dtype = {reduce_dtype!r}: use fp32 or bf16")
-    reduce = REDUCE_DTYPES["fp32"] if precision == "fp16" else REDUCE_DTYPES[reduce_dtype]  # fp16 reduces in fp32
-    return MixedPrecisionPolicy(param_dtype=PARAM_DTYPES[precision], reduce_dtype=reduce)
+    reduce = REDUCE_DTYPES["fp32"] if low == torch.float16 else REDUCE_DTYPES[reduce_dtype]  # fp16 reduces in fp32
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=reduce)
 
 
 def shard(model: nn.Module, world, device_kind: str, precision: str, reduce_dtype: str = "fp32",
@@ -106,9 +116,10 @@ def units(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> list[
     """What ``shard`` shards on its own, inner first: (its name, the bytes of a value it is all-gathered in, its
     parameters not in an inner unit, of those the ones gathered in fp8). Under a policy each BatchNorm with
     parameters (fp32), then each of the ``blocks`` (``param_dtype``), then the root's own (fp32)."""
+    from ampbench.precision import rung
     p = policy(precision, reduce_dtype)
     low = p.param_dtype.itemsize if p else 4
-    in_fp8 = float8_weights(model)
+    in_fp8 = rung(precision).fsdp_low_weights(model)
     found, taken = [], set()
     norms = [(n, m) for n, m in model.named_modules() if p is not None
              and isinstance(m, nn.modules.batchnorm._BatchNorm) and _has_params(m)]
@@ -119,27 +130,13 @@ def units(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> list[
     return found
 
 
-def float8_weights(model: nn.Module) -> set[int]:
-    """The ids of the weights torchao's float8 all-gather gathers in fp8: a Float8Linear's, converted for FSDP."""
-    found = set()
-    for m in model.modules():
-        config = getattr(m, "config", None)
-        if type(m).__name__ == "Float8Linear" and getattr(config, "enable_fsdp_float8_all_gather", False):
-            found.add(id(m.weight))
-    return found
-
-
-def after_each_step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    """A sharded fp8 model's scales for its next all-gathers, computed after each optimizer step, all weights' at
-    once (one all-reduce of their amaxes: torchao's ``precompute_float8_dynamic_scale_for_fsdp``, as torchtitan
-    hooks it); nothing for a model without fp8 weights."""
-    if float8_weights(model):
-        opt.register_step_post_hook(lambda *_: _scales(model))
-
-
-def _scales(model: nn.Module) -> None:
-    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
-    precompute_float8_dynamic_scale_for_fsdp(model)
+def after_each_step(model: nn.Module, opt: torch.optim.Optimizer, precision: str) -> None:
+    """What a sharded model with weights gathered in a low format needs after each optimizer step, hooked on the
+    optimizer (fp8: the scales of its next all-gathers, ``Rung.fsdp_after_step``); nothing for the others."""
+    from ampbench.precision import rung
+    r = rung(precision)
+    if r.fsdp_low_weights(model):
+        opt.register_step_post_hook(lambda *_: r.fsdp_after_step(model))
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -182,23 +179,30 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer | None = None,
         get_model_state_dict,
         get_optimizer_state_dict,
     )
+
+    from ampbench.train.checkpoint import plain_state
     options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
-    return (get_model_state_dict(model, options=options),
+    # plain tensors (fp8's weights come as torchao's subclass): a file that loads with weights_only, without torchao
+    return (plain_state(get_model_state_dict(model, options=options)),
             None if opt is None else get_optimizer_state_dict(model, opt, options=options))
 
 
-def load_full_state(model: nn.Module, opt: torch.optim.Optimizer, model_state: dict, opt_state: dict) -> None:
-    """A whole state (``full_state``'s, from a checkpoint every rank read) sharded into ``model`` and ``opt``."""
+def load_full_state(model: nn.Module, opt: torch.optim.Optimizer, model_state: dict, opt_state: dict,
+                    precision: str) -> None:
+    """A whole state (``full_state``'s, from a checkpoint every rank read) sharded into ``model`` and ``opt``, with
+    what the loaded weights need of ``precision`` (fp8: their scales, not the ones they replaced)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
+
+    from ampbench.precision import rung
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, opt, opt_state, options=options)
-    if float8_weights(model):  # the scales of the loaded weights, not of the ones they replaced
-        _scales(model)
+    if rung(precision).fsdp_low_weights(model):
+        rung(precision).fsdp_after_step(model)
 
 
 def wire_bytes(model: nn.Module, world_size: int, precision: str, reduce_dtype: str = "fp32",

@@ -37,7 +37,7 @@ class PrecisionPolicy:
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model as this precision trains it (a converting rung: its eligible layers converted)."""
-        return self.rung.prepare(model, self.recipe, self.convert_ends, self.sharded)
+        return self.rung.prepare(model, self.recipe, self.convert_ends, **({"sharded": True} if self.sharded else {}))
 
     def census(self, model: nn.Module, image_size: int) -> dict | None:
         """What this precision converts in ``model`` (unconverted), as ``prepare`` converts it; None if nothing."""

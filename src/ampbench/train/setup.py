@@ -36,7 +36,7 @@ class Setup:
         """Start from another setup's state (a checkpoint's, or the trained model's for the profile); under FSDP a
         checkpoint's whole state is sharded over the ranks as it is loaded."""
         if fsdp.is_sharded(self.model) and not fsdp.holds_shards(model):
-            fsdp.load_full_state(self.model, self.opt, model, opt)
+            fsdp.load_full_state(self.model, self.opt, model, opt, self.plan.precision)
         else:
             self.model.load_state_dict(model)
             self.opt.load_state_dict(opt)
@@ -78,7 +78,7 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     # over the trained parameters only, as fine-tuning recipes build it: a frozen one gets no state (SGD's momentum)
     opt = optimizer(plan, [p for p in model.parameters() if p.requires_grad])
     if sharded:
-        fsdp.after_each_step(model, opt)
+        fsdp.after_each_step(model, opt, plan.precision)
     return Setup(plan=plan, policy=policy, model=model, opt=opt, scaler=policy.scaler(),
                  step_model=model if sharded else distributed.step_model(model, world, plan), input_size=input_size)
 
