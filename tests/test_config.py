@@ -94,6 +94,9 @@ BAD = [  # (key, value, words the message must contain)
     ("model.channels_last", "yes", ["model.channels_last", "true or false"]),
     ("train.epochs", 0, ["train.epochs", ">= 1"]),
     ("seed", 2 ** 70, ["seed = 1180591620717411303424", "<= 2147483647"]),  # torch's generator would overflow
+    ("variants.amp.strategy", "fsdp", ["variants.amp.strategy = 'fsdp' shards the model over processes",
+                                       "nproc_per_node = 1", "strategy: ddp"]),
+    ("distributed.strategy", "fsdp", ["distributed.strategy = 'fsdp'", "set nproc_per_node to 2 or more"]),
     ("train.batch_size", "256", ["train.batch_size", "integer"]),
     ("train.batch_size", 0, ["train.batch_size", ">= 1"]),
     ("train.lr", 0, ["train.lr", "> 0"]),

@@ -171,6 +171,10 @@ def _cross_check(cfg: Config) -> None:
                               f"{v.precision}; " + (f"choose one of: {' | '.join(own)}, or \"\" for {own[0]}" if own
                                                     else "it takes none: delete recipe"))
         micro_batch(cfg.train.batch_size, variant_world(cfg, name), v.accum_steps, name)
+        if (v.strategy or cfg.distributed.strategy) == "fsdp" and v.ddp and cfg.distributed.nproc_per_node == 1:
+            said = f"variants.{name}.strategy" if v.strategy else "distributed.strategy"
+            raise ConfigError(f"params.yaml: {said} = 'fsdp' shards the model over processes, but "
+                              "distributed.nproc_per_node = 1: set nproc_per_node to 2 or more, or strategy: ddp")
     t = cfg.train
     opt = optim.info(t.optimizer)
     if opt.max_lr is not None and t.lr > opt.max_lr:
