@@ -299,7 +299,8 @@ class Trainer:
         state = {**{k: getattr(self, k) for k in self._SCALARS}, **self.ledger.state_dict()}
         peaks = self.peaks.from_flat(self.world.reduce(self.peaks.flat(), "max"))  # every rank's largest
         model, opt = fsdp.full_state(self.model, self.opt) if fsdp.is_sharded(self.model) else (
-            checkpoint.plain_state(self.model.state_dict()), self.opt.state_dict())  # FSDP: whole, on rank 0
+            self.model.state_dict(), self.opt.state_dict())  # FSDP: whole, on rank 0
+        model = checkpoint.plain_state(model)  # a subclass's tensors (MX's, fp8's under FSDP) as the plain they hold
         state.update(clock=self.clock.state_dict(), peaks=peaks, model=model, opt=opt, scaler=self.scaler.state_dict(),
                      rng_cpu=torch.get_rng_state(),
                      rng_cuda=torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)

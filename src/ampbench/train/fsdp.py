@@ -180,10 +180,8 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer | None = None,
         get_optimizer_state_dict,
     )
 
-    from ampbench.train.checkpoint import plain_state
     options = StateDictOptions(full_state_dict=True, cpu_offload=not everywhere)
-    # plain tensors (fp8's weights come as torchao's subclass): a file that loads with weights_only, without torchao
-    return (plain_state(get_model_state_dict(model, options=options)),
+    return (get_model_state_dict(model, options=options),
             None if opt is None else get_optimizer_state_dict(model, opt, options=options))
 
 

@@ -126,7 +126,7 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     result = run_result(trainer)
     sharded = fsdp.is_sharded(trainer.model)
     # the weights as trained (the profile below takes further steps); under FSDP gathered whole (every rank's call)
-    trained = fsdp.full_state(trainer.model)[0] if sharded else checkpoint.plain_state(trainer.model.state_dict())
+    trained = checkpoint.plain_state(fsdp.full_state(trainer.model)[0] if sharded else trainer.model.state_dict())
     if world.main:
         result.weights = {k: v.detach().to("cpu", copy=True) for k, v in trained.items()}
     if sharded:
