@@ -146,3 +146,15 @@ def test_only_the_registry_names_a_rung():
             for i, line in enumerate(f.read_text().splitlines(), 1)
             if re.search(r'"fp8"|"mxfp8"|Float8Linear', line)]
     assert not hits, hits
+
+
+def test_torchao_s_deprecation_note_to_its_authors_is_not_printed_on_every_stage():
+    """torchao 0.18 under torch 2.14 logs "<enum 'KernelPreference'> is an Enum subclass ..." at its import, on
+    every stage that converts a model; ampbench drops that one message and keeps the logger's others."""
+    import subprocess
+    import sys
+    code = ("import ampbench, torchao, logging; "
+            "logging.getLogger('torch.utils._pytree').warning('another pytree warning')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "KernelPreference" not in proc.stderr and "another pytree warning" in proc.stderr
