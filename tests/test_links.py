@@ -88,6 +88,10 @@ def test_a_slow_link_makes_the_collectives_bound_the_step(counted):
     bf16 = t["bf16"]
     assert bf16["step_ms"] == pytest.approx(bf16["comm_ms"]) and bf16["comm_ms"] > bf16["gpu_step_ms"]
     assert t["bf16"]["imgs_per_s"] / t["fp32"]["imgs_per_s"] < t["fp32"]["gpu_step_ms"] / t["bf16"]["gpu_step_ms"]
+    # the link as the GPU was named times the table, as the header says it (an A100 40GB named SXM: NVSwitch)
+    a100 = roofline.find_gpu("A100 40GB")
+    sxm = links.table(found["ops"], a100, model, state, 8, "ddp", 256, found=links.link(a100, 8, "A100-SXM4-40GB"))
+    assert sxm["fp32"]["comm_ms"] == pytest.approx(sxm["fp32"]["sent_bytes"] / 300e9 * 1e3)
     gh = links.table(found["ops"], roofline.find_gpu("GH200 96GB HBM3"), model, state, 2, "ddp", 256)
     assert gh["fp32"]["comm_ms"] is None and gh["fp32"]["imgs_per_s"] is None  # no link: bytes, no time
 

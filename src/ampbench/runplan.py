@@ -84,49 +84,48 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
                    recipe=recipe_for(v.precision, v.recipe),
                    placement=placement, workers=workers if placement == "stream" else 0)
     if plan.strategy == "fsdp" and plan.ddp:  # (ddp: false trains in one process: nothing to shard)
-        plan = _check_fsdp(plan, cfg.train.compile, v.optimizer_impl or cfg.train.optimizer_impl)
+        plan = _check_fsdp(plan, cfg.train.compile, v.optimizer_impl or cfg.train.optimizer_impl,
+                           f"variant {variant!r} (strategy: fsdp): ")
     return plan
 
 
-def _check_fsdp(plan: RunPlan, compile_setting, impl_setting: str) -> RunPlan:
+def _check_fsdp(plan: RunPlan, compile_setting, impl_setting: str, where: str = "") -> RunPlan:
     """What FSDP does not run here yet, refused in one line that names the fix; ``plan`` with the optimizer's
     implementation FSDP's DTensor parameters take (SGD's fused kernel has no DTensor rule: auto is foreach)."""
-    where = f"variant {plan.variant!r} (strategy: fsdp)"
     if plan.train.optimizer == "adafactor":
-        raise ConfigError(f"{where}: adafactor's factored state does not run over FSDP's sharded parameters; use "
+        raise ConfigError(f"{where}adafactor's factored state does not run over FSDP's sharded parameters; use "
                           "train.optimizer: sgd or adamw, or give this variant strategy: ddp")
     if plan.train.optimizer_impl == "fused" and plan.train.optimizer == "sgd":
         if impl_setting == "fused":
-            raise ConfigError(f"{where}: optimizer_impl fused has no kernel for FSDP's sharded parameters with "
+            raise ConfigError(f"{where}optimizer_impl fused has no kernel for FSDP's sharded parameters with "
                               "sgd; use optimizer_impl: foreach (or auto)")
         plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, optimizer_impl="foreach"))
     if plan.grad_comm != "none":
-        raise ConfigError(f"{where}: grad_comm {plan.grad_comm} is DDP's gradient compression; FSDP reduce-scatters "
+        raise ConfigError(f"{where}grad_comm {plan.grad_comm} is DDP's gradient compression; FSDP reduce-scatters "
                           "the gradients in distributed.fsdp_reduce_dtype: set grad_comm: none for it")
     r = rung(plan.precision)
     why = r.fsdp_refuses(plan.recipe)
     if why:
         fix = f"set recipe: {r.fsdp_recipes[0]}, or" if r.fsdp_recipes else "use another precision, or"
-        raise ConfigError(f"{where}: {why}; {fix} give this variant strategy: ddp")
+        raise ConfigError(f"{where}{why}; {fix} give this variant strategy: ddp")
     if plan.train.compile and compile_setting == "auto":  # auto: compiled where it runs; FSDP here runs eager
         plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, compile=False))
     elif plan.train.compile:
-        raise ConfigError(f"{where}: train.compile {compile_setting!r} compiles it, which FSDP here does not support "
+        raise ConfigError(f"{where}train.compile {compile_setting!r} compiles it, which FSDP here does not support "
                           "yet; set train.compile: auto (eager under FSDP) or false, or give this variant strategy: "
                           "ddp")
     return plan
 
 
-def fsdp_refusal(cfg: Config, precision: str, device: str = "cuda") -> str | None:
-    """Why ``precision`` with params.yaml's settings would not train under FSDP on ``device`` (``_check_fsdp``'s
+def fsdp_refusal(cfg: Config, precision: str) -> str | None:
+    """Why ``precision`` with params.yaml's settings would not train under FSDP on a GPU (``_check_fsdp``'s
     refusal, said without a variant: the roofline for N GPUs), or None."""
-    plan = dataclasses.replace(for_precision(cfg, precision, device), strategy="fsdp", ddp=True)
-    plan = dataclasses.replace(plan, train=dataclasses.replace(
-        plan.train, compile=compiled(cfg, precision, device)))
+    plan = dataclasses.replace(for_precision(cfg, precision, "cuda"), strategy="fsdp", ddp=True)
+    plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, compile=compiled(cfg, precision, "cuda")))
     try:
         _check_fsdp(plan, cfg.train.compile, cfg.train.optimizer_impl)
     except ConfigError as err:
-        return str(err).split("(strategy: fsdp): ", 1)[-1]
+        return str(err)
     return None
 
 

@@ -32,8 +32,11 @@ _GEN3, _GEN4, _GEN5 = ("PCIe Gen3 x16", 32), ("PCIe Gen4 x16", 64), ("PCIe Gen5 
 
 
 def _link(source: str, pcie: tuple[str, float] | None, nvlink: float | None = None, joins: int = 0,
-          how: str = "") -> dict:
-    return {"source": source, "pcie": pcie, "nvlink_gbps": nvlink, "nvlink_gpus": joins, "nvlink_how": how}
+          how: str = "", sxm_joins: int = 0) -> dict:
+    """A row's links; ``sxm_joins``: the GPUs its NVLink joins when the GPU is named as its SXM part (a row that
+    holds both the SXM board and the PCIe card)."""
+    return {"source": source, "pcie": pcie, "nvlink_gbps": nvlink, "nvlink_gpus": joins, "nvlink_how": how,
+            "sxm_joins": sxm_joins}
 
 
 _SWITCH = "NVLink through NVSwitch"
@@ -54,7 +57,8 @@ LINKS: dict[str, dict | None] = {
     "A100 80GB SXM": _link(_A100 + " (SXM: NVLink 600 GB/s, PCIe Gen4 64 GB/s)", _GEN4, 600, 8, _SWITCH),
     # the 40GB row is the SXM4 and the PCIe card alike: NVLink to one other GPU at least (a bridge)
     "A100 40GB": _link(_A100 + " (NVLink 600 GB/s: SXM through NVSwitch, PCIe cards bridged in pairs; PCIe Gen4 "
-                       "64 GB/s)", _GEN4, 600, 2, "NVLink (taken as a PCIe card's bridge: an SXM4 board joins 8)"),
+                       "64 GB/s)", _GEN4, 600, 2, "NVLink (taken as a PCIe card's bridge: an SXM4 board joins 8)",
+                       sxm_joins=8),
     "L40S": _link("NVIDIA L40S datasheet (PCIe Gen4 x16 64 GB/s bidirectional, no NVLink)", _GEN4),
     "L4": _link("NVIDIA L4 Tensor Core GPU datasheet (PCIe Gen4 x16 64 GB/s, no NVLink)", _GEN4),
     "A40": _link("NVIDIA A40 datasheet (NVLink bridge 112.5 GB/s bidirectional for 2 GPUs, PCIe Gen4 64 GB/s)",
@@ -80,12 +84,12 @@ LINKS: dict[str, dict | None] = {
 def link(row: dict, nproc: int, named: str = "") -> dict | None:
     """The link ``nproc`` GPUs of ``row``'s kind train over: NVLink where it joins that many, else the PCIe slot;
     ``{"name", "gbps" (both directions, as printed), "source"}``, or None where no source gives one. ``named``: the
-    GPU as the user named it (an A100 40GB named SXM sits on an NVSwitch board of 8)."""
+    GPU as the user named it (a row's SXM part, named so, sits on an NVSwitch board: ``sxm_joins``)."""
     found = LINKS.get(row["name"])
     if not found:
         return None
-    if row["name"] == "A100 40GB" and "SXM" in named.upper():
-        found = {**found, "nvlink_gpus": NODE, "nvlink_how": _SWITCH}
+    if found["sxm_joins"] and "SXM" in named.upper():
+        found = {**found, "nvlink_gpus": found["sxm_joins"], "nvlink_how": _SWITCH}
     if found["nvlink_gbps"] and nproc <= found["nvlink_gpus"]:
         return {"name": found["nvlink_how"], "gbps": found["nvlink_gbps"], "source": found["source"]}
     if found["pcie"]:
@@ -101,6 +105,7 @@ def model_counts(cfg, make_optimizer):
     import torch
 
     from ampbench import data, models
+    from ampbench.train.fsdp import state_per_param
     desc = data.describe(cfg.data)
     model = models.build_meta(cfg.model, num_classes=desc["num_classes"],
                               image_size=models.input_size(cfg.model, desc["image_size"]))
@@ -109,10 +114,9 @@ def model_counts(cfg, make_optimizer):
         q.grad = torch.zeros_like(q)
     opt = make_optimizer(trained, cfg.train)
     opt.step()
-    state = sum(v.numel() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim())
     for q in trained:
         q.grad = None
-    return model, round(state / max(1, sum(q.numel() for q in trained)))
+    return model, state_per_param(opt, sum(q.numel() for q in trained))
 
 
 def check(nproc: int, strategy: str) -> None:
@@ -126,18 +130,19 @@ def check(nproc: int, strategy: str) -> None:
 
 def table(ops: dict[str, list], row: dict, model, state_per_param: int, nproc: int, strategy: str,
           global_batch: int, reduce_dtype: str = "fp32", launch_us: float | None = None,
-          prepare=None, refusals: dict[str, str] | None = None) -> dict[str, dict]:
+          prepare=None, refusals: dict[str, str] | None = None, found: dict | None = None) -> dict[str, dict]:
     """Per precision on ``nproc`` GPUs of ``row``'s kind (``ops`` counted at one GPU's share of ``global_batch``):
     one GPU's kernel step, the bytes each GPU sends per step and their time on the link, the step (the longer of
     the two), img/s over all GPUs, what bounds it, and the memory per GPU by part (counted; activations on top).
     ``prepare(precision, model)``: ``model`` (meta) as that precision shards it (fp8: converted, its weights
     gathered in fp8); by default as it is. ``refusals``: why a precision would not train under FSDP here
-    (``runplan.fsdp_refusal``), its row n/a."""
+    (``runplan.fsdp_refusal``), its row n/a. ``found``: the link (``link``'s, as the GPU was named; by default
+    the row's own)."""
     refusals = refusals or {}
     from ampbench.measure import roofline
     from ampbench.report.sharded import ddp_counted
     from ampbench.train import fsdp
-    found = link(row, nproc)
+    found = found or link(row, nproc)
     launch_us = roofline.LAUNCH_US if launch_us is None else launch_us
     out = {}
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)

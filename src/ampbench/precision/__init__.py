@@ -57,10 +57,10 @@ class Rung:
     fast_compiled: bool = False     # fast only under torch.compile: train.compile auto compiles it on CUDA
 
     # --- what a family may override -------------------------------------------------------------------------
-    def prepare(self, model, recipe: str | None = None, ends: bool = False, **kw):
+    def prepare(self, model, recipe: str | None = None, ends: bool = False, sharded: bool = False):
         """The model as this rung trains it (in place): a converting family swaps its layers (``ends``: the
-        model's first layer and classifier head too, which it leaves in high precision by default; ``sharded=True``
-        (passed only then): for FSDP, its converted weights all-gathered in its format, ``fsdp_recipes``)."""
+        model's first layer and classifier head too, which it leaves in high precision by default; ``sharded``: for
+        FSDP, its converted weights all-gathered in its format, ``fsdp_recipes``)."""
         return model
 
     def fsdp_refuses(self, recipe: str | None) -> str | None:

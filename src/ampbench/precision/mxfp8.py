@@ -160,7 +160,7 @@ def layers(model, recipe: str, image_size: int, ends: bool = False) -> dict:
 
 @dataclass(frozen=True)
 class MXFP8(LinearRung):
-    def prepare(self, model, recipe: str | None = None, ends: bool = False, **kw):
+    def prepare(self, model, recipe: str | None = None, ends: bool = False, sharded: bool = False):
         return convert(model, recipe or self.default_recipe, ends)  # (no fsdp_recipes: runplan refuses FSDP)
 
     def census(self, model, recipe: str | None, image_size: int, ends: bool = False) -> dict:

@@ -44,7 +44,11 @@ def param_dtype(precision: str) -> torch.dtype | None:
     return getattr(torch, a) if a else None
 
 
-
+def state_per_param(opt: torch.optim.Optimizer, trained: int) -> int:
+    """The optimizer's state values per trained parameter, as it holds them after a step (SGD's momentum 1, Adam's
+    2): its tensors' global sizes (a DTensor's numel is the whole one's) over the trained parameters."""
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return round(sum(v.numel() for v in state) / max(1, trained))
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -199,8 +203,9 @@ def load_full_state(model: nn.Module, opt: torch.optim.Optimizer, model_state: d
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_state, options=options)
     set_optimizer_state_dict(model, opt, opt_state, options=options)
-    if rung(precision).fsdp_low_weights(model):
-        rung(precision).fsdp_after_step(model)
+    r = rung(precision)
+    if r.fsdp_low_weights(model):
+        r.fsdp_after_step(model)
 
 
 def wire_bytes(model: nn.Module, world_size: int, precision: str, reduce_dtype: str = "fp32",
@@ -261,12 +266,11 @@ def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
     return {"blocks": [n for n, _ in blocks(model)], "world_size": world_size,
             "param_count": sum(q.numel() for q in model.parameters()), "trained_count": trained,
-            "state_per_param": round(sum(v.numel() for v in state) / max(1, trained)),
+            "state_per_param": state_per_param(opt, trained),
             "param_dtype": str(p.param_dtype).removeprefix("torch.") if p else "float32",
             "reduce_dtype": str(p.reduce_dtype).removeprefix("torch.") if p else "float32",
             "wire_bytes_per_step": wire_bytes(model, world_size, plan.precision, plan.fsdp_reduce_dtype,
                                               accum_steps=plan.accum_steps),
             "memory_per_rank": memory_parts(model, world_size, plan.precision, plan.fsdp_reduce_dtype,
-                                            round(sum(v.numel() for v in state) / max(1, trained)),  # global numel
-                                            plan.accum_steps),
+                                            state_per_param(opt, trained), plan.accum_steps),
             "held_here": {"parameters": held(q.detach() for q in model.parameters()), "optimizer_state": held(state)}}

@@ -37,6 +37,7 @@ class PrecisionPolicy:
 
     def prepare(self, model: nn.Module) -> nn.Module:
         """The model as this precision trains it (a converting rung: its eligible layers converted)."""
+        # ``sharded`` only when set: a family written before FSDP (its prepare without it) keeps working unsharded
         return self.rung.prepare(model, self.recipe, self.convert_ends, **({"sharded": True} if self.sharded else {}))
 
     def census(self, model: nn.Module, image_size: int) -> dict | None:
