@@ -73,8 +73,15 @@ class Batches:
     def normalise(self, x: torch.Tensor) -> torch.Tensor:
         """uint8 N x H x W x C on the device -> normalised float32 N x C x H x W (channels_last unless not wanted)."""
         n, h, w, c = x.shape
-        # one op; channels_last from the NHWC input
-        x = torch.addcmul(self.bias, x.reshape(n, h * w * c), self.inv_std).view(n, h, w, c).permute(0, 3, 1, 2)
+        flat = x.reshape(n, h * w * c)
+        if flat.device.type == "cpu" and flat.dtype == torch.uint8:
+            # a CPU kernel first casts a uint8 operand into a float32 copy of its own: cast once here and normalise
+            # in place, one float32 chunk made instead of two (CUDA casts inside the kernel)
+            flat = flat.to(torch.float32)
+            flat = torch.addcmul(self.bias, flat, self.inv_std, out=flat)
+        else:
+            flat = torch.addcmul(self.bias, flat, self.inv_std)
+        x = flat.view(n, h, w, c).permute(0, 3, 1, 2)  # channels_last from the NHWC input
         if self.out_size:  # bilinear keeps channels_last
             x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", align_corners=False)
         return x if self.channels_last else x.contiguous()
