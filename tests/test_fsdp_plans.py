@@ -27,7 +27,6 @@ def test_the_blocks_sharded_are_the_repeated_ones():
     ({"precision": "fp8", "recipe": "rowwise"}, {}, "fp8 recipe 'rowwise' under FSDP: torchao all-gathers its weights "
      "in their own format with the tensorwise recipe only; set recipe: tensorwise, or give"),
     ({"precision": "mxfp8"}, {}, "precision mxfp8 has no all-gather of its own format under FSDP"),
-    ({"precision": "bf16"}, {"compile": True}, "train.compile True compiles it"),
     ({"precision": "bf16"}, {"optimizer": "adafactor"}, "adafactor's factored state does not run"),
     ({"precision": "bf16", "optimizer_impl": "fused"}, {}, "optimizer_impl fused has no kernel for FSDP's"),
 ])
@@ -49,11 +48,11 @@ def test_fsdp_takes_sgd_s_foreach_where_auto_would_fuse_it_and_counts_accumulati
                                                            "d": {"precision": "bf16"}},
                             "distributed": {"nproc_per_node": 2}})
     assert runplan.make_plan(cfg, "f", "cuda").train.optimizer_impl == "foreach"
-    # fp8 compiles by default on CUDA (train.compile auto); under FSDP auto trains eager, not a refusal
+    # fp8 compiles by default on CUDA (train.compile auto), under FSDP too (each block: fsdp.compile_blocks)
     fp8 = config.from_dict({"device": "cuda", "variants": {"f": {"precision": "fp8", "strategy": "fsdp"},
                                                            "d": {"precision": "fp8"}},
                             "distributed": {"nproc_per_node": 2}})
-    assert not runplan.make_plan(fp8, "f", "cuda").train.compile and runplan.make_plan(fp8, "d", "cuda").train.compile
+    assert runplan.make_plan(fp8, "f", "cuda").train.compile and runplan.make_plan(fp8, "d", "cuda").train.compile
     assert runplan.make_plan(cfg, "d", "cuda").train.optimizer_impl == "fused"
     model = _model()
     trained = sum(q.numel() for q in model.parameters())

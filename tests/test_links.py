@@ -136,6 +136,6 @@ def test_fp8_under_fsdp_counts_its_gathers_in_fp8_and_a_recipe_fsdp_refuses_is_n
         row = next(line for line in out.splitlines() if line.startswith("| fp8 |"))
         if recipe == "tensorwise":
             assert re.search(r"all-gather [\d.]+ [KM]iB bf16\+float8; reduce-scatter", row), row
-            assert "fp8: counted with its scaling fused" in out and "ampbench trains eager" in out
+            assert "ampbench trains eager" not in out  # train.compile auto compiles fp8 under FSDP too
         else:
             assert "n/a: fp8 recipe 'rowwise' under FSDP: torchao all-gathers its weights in their own format" in row

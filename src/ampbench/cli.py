@@ -206,10 +206,6 @@ def _roofline_n(args, cfg, rows) -> None:
     t = links.table(found["ops"], row, model, state, args.nproc, strategy, batch, cfg.distributed.fsdp_reduce_dtype,
                     args.launch_us, prepare, refusals, link)
     print("\n".join(data_parallel_table(t, link, args.nproc, strategy)))
-    fused = [p for p, c in t.items() if "na" not in c and precision.rung(p).fast_compiled]
-    if strategy == "fsdp" and fused:  # counted as compiled; under FSDP ampbench trains eager
-        print(f"\n{', '.join(fused)}: counted with its scaling fused, as torch.compile fuses it; under FSDP ampbench "
-              "trains eager (train.compile auto does not compile there), which moves more bytes than this row")
     print("\nThe step is the longer of one GPU's kernels and the collectives' time on the link (overlapped, as DDP's "
           "buckets and FSDP's prefetch overlap them at best), the collectives timed at the link's full figure: a "
           "best case, as NCCL reaches about 80% of it. "

@@ -84,12 +84,12 @@ def make_plan(cfg: Config, variant: str, device: str, model_source: str = "", pl
                    recipe=recipe_for(v.precision, v.recipe),
                    placement=placement, workers=workers if placement == "stream" else 0)
     if plan.strategy == "fsdp" and plan.ddp:  # (ddp: false trains in one process: nothing to shard)
-        plan = _check_fsdp(plan, cfg.train.compile, v.optimizer_impl or cfg.train.optimizer_impl,
+        plan = _check_fsdp(plan, v.optimizer_impl or cfg.train.optimizer_impl,
                            f"variant {variant!r} (strategy: fsdp): ")
     return plan
 
 
-def _check_fsdp(plan: RunPlan, compile_setting, impl_setting: str, where: str = "") -> RunPlan:
+def _check_fsdp(plan: RunPlan, impl_setting: str, where: str = "") -> RunPlan:
     """What FSDP does not run here yet, refused in one line that names the fix; ``plan`` with the optimizer's
     implementation FSDP's DTensor parameters take (SGD's fused kernel has no DTensor rule: auto is foreach)."""
     if plan.train.optimizer == "adafactor":
@@ -108,12 +108,6 @@ def _check_fsdp(plan: RunPlan, compile_setting, impl_setting: str, where: str = 
     if why:
         fix = f"set recipe: {r.fsdp_recipes[0]}, or" if r.fsdp_recipes else "use another precision, or"
         raise ConfigError(f"{where}{why}; {fix} give this variant strategy: ddp")
-    if plan.train.compile and compile_setting == "auto":  # auto: compiled where it runs; FSDP here runs eager
-        plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, compile=False))
-    elif plan.train.compile:
-        raise ConfigError(f"{where}train.compile {compile_setting!r} compiles it, which FSDP here does not support "
-                          "yet; set train.compile: auto (eager under FSDP) or false, or give this variant strategy: "
-                          "ddp")
     return plan
 
 
@@ -121,9 +115,8 @@ def fsdp_refusal(cfg: Config, precision: str) -> str | None:
     """Why ``precision`` with params.yaml's settings would not train under FSDP on a GPU (``_check_fsdp``'s
     refusal, said without a variant: the roofline for N GPUs), or None."""
     plan = dataclasses.replace(for_precision(cfg, precision, "cuda"), strategy="fsdp", ddp=True)
-    plan = dataclasses.replace(plan, train=dataclasses.replace(plan.train, compile=compiled(cfg, precision, "cuda")))
     try:
-        _check_fsdp(plan, cfg.train.compile, cfg.train.optimizer_impl)
+        _check_fsdp(plan, cfg.train.optimizer_impl)
     except ConfigError as err:
         return str(err)
     return None

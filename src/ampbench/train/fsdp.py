@@ -22,6 +22,11 @@ on the activations as DDP's see them: a block's policy does not cast its inputs,
 (a ViT's class token and position embedding, added to the residual stream) stay fp32. BatchNorm layers keep fp32
 parameters (sharded on their own), as FSDP1 keeps them by default and as autocast runs them: a bf16 weight beside
 fp32 running statistics is refused by the kernel.
+
+``train.compile`` compiles each block's forward in place, as torchtitan compiles its blocks under FSDP2 (the root's
+own layers, a ResNet's stem and head, stay eager): FSDP's hooks around a block's forward, its all-gather and its
+reshard, run eagerly, where compiling the sharded root would break the graph at every one of them; the module and
+its state dict keep their names, so a checkpoint and model.pt are the same compiled or not.
 """
 
 from __future__ import annotations
@@ -132,6 +137,16 @@ def units(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> list[
         taken.update(id(q) for q in own)
         found.append((name, size, sum(q.numel() for q in own), sum(q.numel() for q in own if id(q) in in_fp8)))
     return found
+
+
+def compile_blocks(model: nn.Module) -> list[str]:
+    """Each of ``blocks`` with its forward compiled (``torch.compile``), in place, before the model is sharded; the
+    blocks' names."""
+    names = []
+    for name, block in blocks(model):
+        block.forward = torch.compile(block.forward)  # the instance's own: its hooks stay outside the graph
+        names.append(name)
+    return names
 
 
 def after_each_step(model: nn.Module, opt: torch.optim.Optimizer, precision: str) -> None:
