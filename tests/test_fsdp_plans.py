@@ -106,6 +106,35 @@ def test_the_report_sets_each_fsdp_variant_beside_ddp_s_counts_and_says_what_its
     assert re.search(r"; f16 \(bf16 gathers\) held \d+% less memory per rank and sent \d+% less bytes against "
                      r"f32\.$", verdict), verdict
     # fp8's converted weights gathered in fp8 beside the rest in bf16: said so, not "bf16"
+    assert "compiled" not in text  # eager: nothing said
+    # compiled under FSDP: block by block, which the head says, with any block left eager
+    said = sharded.lines([dict(f16, compiled_blocks=["7"], eager_blocks=["0", "2"])])[0]
+    assert said.startswith("FSDP (`f16`, 2 processes, bf16 gathered, fp32 reduced, 1 of 3 blocks compiled, the "
+                           "root's own layers eager (left eager: 0, 2, each holding a BatchNorm sharded apart)): ")
     fp8 = dict(f16, wire={"all_gather": {"by_dtype": {"bfloat16": 10, "float8_e4m3fn": 5, "float32": 1}}})
     assert sharded.gathered(fp8) == "float8 and bf16" and sharded.sent(fp8) == "fp32 reduce-scatter, float8 and bf16 "\
         "all-gather"
+
+
+def test_compiled_blocks_keep_their_graphs_through_training_and_evaluation_s_shapes(monkeypatch):
+    """A ResNet-18's 8 blocks share BasicBlock's code, and each of its distinct blocks needs a graph per shape and
+    grad mode (training's batch; evaluation's, its last, a rank's empty slice): about 35 here, past dynamo's default
+    limit of 8, at which the rest ran eager. compile_blocks gives them room: no frame given up. (dynamo's capture
+    alone, the eager backend: what the limit counts.)"""
+    import functools
+
+    import torch
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    model = models.build(config.ModelConfig(arch="resnet18"), num_classes=10, image_size=32, device="cpu")
+    assert fsdp.compile_blocks(model, "fp32") == ([n for n, _ in fsdp.blocks(model)], [])
+    counters.clear()
+    model(torch.randn(8, 3, 32, 32)).sum().backward()
+    model.eval()
+    with torch.no_grad():
+        for n in (8, 5, 0):
+            model(torch.randn(n, 3, 32, 32))
+    assert counters["stats"]["unique_graphs"] > 8 and counters["frames"]["total"] == counters["frames"]["ok"]
+    # under a policy its BatchNorm layers are FSDP units of their own: every block stays eager, said
+    bf16 = models.build(config.ModelConfig(arch="resnet18"), num_classes=10, image_size=32, device="cpu")
+    assert fsdp.compilable(bf16, "bf16") == ([], [n for n, _ in fsdp.blocks(bf16)])

@@ -42,7 +42,8 @@ def against_ddp(row: dict, rows: list[dict], metrics: dict[str, dict]) -> dict:
            "memory_per_rank": sum(f["memory_per_rank"].values()), "memory_parts": f["memory_per_rank"],
            "wire_bytes_per_step": wire, "wire": f["wire_bytes_per_step"], "peak_mem_bytes": m.get("peak_mem_bytes"),
            "against_memory_per_rank": counted["memory_per_rank"],
-           "against_wire_bytes_per_step": counted["wire_bytes_per_step"]}
+           "against_wire_bytes_per_step": counted["wire_bytes_per_step"],
+           "compiled_blocks": f.get("compiled_blocks") or [], "eager_blocks": f.get("eager_blocks") or []}
     if base:
         acc, b_acc = row["final_acc"], base["final_acc"]
         out.update(against_grad_comm=base["grad_comm"] or "none",
@@ -81,6 +82,16 @@ def gathered(c: dict) -> str:
     return " and ".join(fmt.dtype(d) for d in low) or fmt.dtype(c["param_dtype"])
 
 
+def compiled(c: dict) -> str:
+    """How much of a variant torch.compile compiled under FSDP: block by block (DDP compiles the whole model), a
+    block holding a BatchNorm unit of its own left eager; "" where it ran eager."""
+    done, eager = c.get("compiled_blocks") or [], c.get("eager_blocks") or []
+    if not done and not eager:
+        return ""
+    return (f", {len(done)} of {len(done) + len(eager)} blocks compiled, the root's own layers eager"
+            + (f" (left eager: {', '.join(eager)}, each holding a BatchNorm sharded apart)" if eager else ""))
+
+
 def sent(c: dict) -> str:
     """The table's "gradients sent as" cell of an FSDP variant."""
     return f"{fmt.dtype(c['reduce_dtype'])} reduce-scatter, {gathered(c)} all-gather"
@@ -96,7 +107,7 @@ def lines(comparisons: list[dict]) -> list[str]:
                          + " and ".join(fmt.dtype(d) for d in (w.get("by_dtype") or {w["dtype"]: 0}))
                          for k, w in c["wire"].items())
         head = (f"FSDP (`{c['variant']}`, {c['world_size']} processes, {gathered(c)} gathered, "
-                f"{fmt.dtype(c['reduce_dtype'])} reduced)")
+                f"{fmt.dtype(c['reduce_dtype'])} reduced{compiled(c)})")
         ddp = (f"against {_mib(c['against_memory_per_rank'])} (every DDP rank holds the whole fp32 parameters, "
                "gradients, the buckets it all-reduces them in and the optimizer state)")
         bought = (f" Against FSDP fp32 (`{c['fp32_variant']}`), {gathered(c)} gathers "

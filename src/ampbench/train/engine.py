@@ -88,6 +88,11 @@ class Trainer:
         self.counts = (len(data["train"][1]), len(data["test"][1]))
         self.device = device = world.device(torch.device(plan.device).type)
         self.setup = s = setup.build(plan, data["meta"], device, world)  # model, optimizer, policy, scaler...
+        if plan.train.compile and fsdp.is_sharded(s.model) and world.main:
+            compiled, eager = fsdp.compilable(s.model, plan.precision, plan.fsdp_reduce_dtype)
+            print(f"[{plan.variant}] torch.compile under FSDP: each block's forward, {len(compiled)} of "
+                  f"{len(compiled) + len(eager)} blocks" + (f"; left eager: {', '.join(eager)} (each holds a BatchNorm "
+                  "sharded apart in fp32, whose FSDP hooks would break its graph)" if eager else ""))
         self.policy = s.policy
         self.model = s.model
         self.opt = s.opt

@@ -26,7 +26,8 @@ fp32 running statistics is refused by the kernel.
 ``train.compile`` compiles each block's forward in place, as torchtitan compiles its blocks under FSDP2 (the root's
 own layers, a ResNet's stem and head, stay eager): FSDP's hooks around a block's forward, its all-gather and its
 reshard, run eagerly, where compiling the sharded root would break the graph at every one of them; the module and
-its state dict keep their names, so a checkpoint and model.pt are the same compiled or not.
+its state dict keep their names, so a checkpoint and model.pt are the same compiled or not. A block holding a unit
+of its own (a BatchNorm under a policy) stays eager for the same reason (``compilable``), and the run says which.
 """
 
 from __future__ import annotations
@@ -139,14 +140,40 @@ def units(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> list[
     return found
 
 
-def compile_blocks(model: nn.Module) -> list[str]:
-    """Each of ``blocks`` with its forward compiled (``torch.compile``), in place, before the model is sharded; the
-    blocks' names."""
-    names = []
-    for name, block in blocks(model):
-        block.forward = torch.compile(block.forward)  # the instance's own: its hooks stay outside the graph
-        names.append(name)
-    return names
+# Graphs a block's forward may need: one per distinct block and per shape and grad mode it runs in (training's
+# batch, evaluation's, its last, a rank's empty slice of it). Blocks of a class share one code object, and so do
+# the models a process builds (the step profile's beside training's), so dynamo counts their graphs together: at
+# its default limit (8) a ResNet-18's blocks fell back to eager in evaluation, a ResNet-50's in training
+GRAPHS_PER_BLOCK, MIN_GRAPHS = 8, 64
+
+
+def compilable(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> tuple[list[str], list[str]]:
+    """(the blocks ``compile_blocks`` compiles, those it leaves eager): a block holding an FSDP unit of its own (a
+    BatchNorm under a precision policy, sharded apart in fp32) stays eager, as its unit's hooks, which dynamo runs
+    eagerly, would break the block's graph at every one of them."""
+    inner = [name for name, *_ in units(model, precision, reduce_dtype)[:-1]]
+    compiled, eager = [], []
+    for name, _ in blocks(model):
+        (eager if any(n.startswith(f"{name}.") for n in inner) else compiled).append(name)
+    return compiled, eager
+
+
+def compile_blocks(model: nn.Module, precision: str, reduce_dtype: str = "fp32") -> tuple[list[str], list[str]]:
+    """Each block ``compilable`` names with its forward compiled (``torch.compile``), in place, before the model is
+    sharded; (the blocks compiled, those left eager)."""
+    import inspect
+    compiled, eager = compilable(model, precision, reduce_dtype)
+    limit = max(MIN_GRAPHS, GRAPHS_PER_BLOCK * len(compiled))
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:  # this compile's own limit
+        kw = {"recompile_limit": limit}
+    else:  # an older torch: dynamo's one limit for the process
+        from torch._dynamo import config as dynamo
+        dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
+        kw = {}
+    for name in compiled:
+        block = model.get_submodule(name)
+        block.forward = torch.compile(block.forward, **kw)  # the instance's own: its hooks stay outside the graph
+    return compiled, eager
 
 
 def after_each_step(model: nn.Module, opt: torch.optim.Optimizer, precision: str) -> None:
@@ -279,7 +306,9 @@ def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan
     p = policy(plan.precision, plan.fsdp_reduce_dtype)
     state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
-    return {"blocks": [n for n, _ in blocks(model)], "world_size": world_size,
+    compiled, eager = compilable(model, plan.precision, plan.fsdp_reduce_dtype) if plan.train.compile else ([], [])
+    return {"blocks": [n for n, _ in blocks(model)], "compiled_blocks": compiled, "eager_blocks": eager,
+            "world_size": world_size,
             "param_count": sum(q.numel() for q in model.parameters()), "trained_count": trained,
             "state_per_param": state_per_param(opt, trained),
             "param_dtype": str(p.param_dtype).removeprefix("torch.") if p else "float32",

@@ -74,7 +74,7 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
     if sharded and plan.train.compile:  # each block's forward, its FSDP hooks eager around it
-        fsdp.compile_blocks(model)
+        fsdp.compile_blocks(model, plan.precision, plan.fsdp_reduce_dtype)
     if sharded:  # before the optimizer, which takes the shards
         fsdp.shard(model, world, device.type, plan.precision, plan.fsdp_reduce_dtype)
     # over the trained parameters only, as fine-tuning recipes build it: a frozen one gets no state (SGD's momentum)
