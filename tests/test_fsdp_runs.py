@@ -16,10 +16,12 @@ from ampbench.train import fsdp
 from tests.test_distributed import WORLD, _join, _model, _spawn
 
 
-def _plan(variant: str, strategy: str, epochs: int = 2, freeze: tuple[str, ...] = (), compile: bool = False):
+def _plan(variant: str, strategy: str, epochs: int = 2, compile: bool = False):
     from ampbench import runplan
-    fp8 = variant == "fp8"  # a model whose blocks fp8 converts (the small CNN's Linear layers are its ends)
-    model = {"factory": "tests.test_fsdp:mlp", "freeze": list(freeze)} if fp8 else {"arch": "small_cnn"}
+    # fp8: a model whose blocks fp8 converts (the small CNN's Linear layers are its ends), fine-tuned: its first
+    # block frozen (its weight converted and gathered in fp8 like the others', never updated)
+    fp8 = variant == "fp8"
+    model = {"factory": "tests.test_fsdp:mlp", "freeze": ["2"]} if fp8 else {"arch": "small_cnn"}
     cfg = config.from_dict({"device": "cpu", "model": model, "mlflow": {"enabled": False},
                             "train": {"epochs": epochs, "batch_size": 32, "warmup_steps": 0, "compile": compile},
                             "profile": {"steps": 1}, "amp": {"audit_batches": 1},
@@ -47,14 +49,8 @@ def _runs_worker(rank: int, port: int, folder: str) -> None:
                 "plain": all(type(v) is torch.Tensor for v in (result.weights or {}).values()),
                 "strategy": m["strategy"], "fsdp": m.get("fsdp"), "audited": bool(result.numerics),
                 "profiled": "error" not in m["profile"], "not_made": m["not_made"]}
-    for strategy in ("ddp", "fsdp"):  # fine-tuning: the first fp8 block frozen (its weight converted, never updated)
-        plan = _plan("fp8", strategy, epochs=1, freeze=("2",))
-        result = runner.train(plan, prepared, progress=False, world=world)
-        out[f"fp8_frozen_{strategy}"] = {
-            "history": [[row["train_loss"], row["eval_loss"], row["eval_acc"]] for row in result.history],
-            "weights": {k: v.tolist() for k, v in (result.weights or {}).items()},
-            "fsdp": result.metrics.get("fsdp"), "not_made": result.metrics["not_made"]}
-    start = setup.build(plan, prepared["meta"], torch.device("cpu")).model.state_dict()  # the seeded initial weights
+    start = setup.build(_plan("fp8", "ddp"), prepared["meta"], torch.device("cpu")).model.state_dict()  # its seeded
+    out["fp8_start"] = {k: v.tolist() for k, v in start.items() if k[:2] in ("2.", "3.")}  # initial weights
     # compiled under FSDP, dynamo's graphs run with the eager kernels (aot_eager: the capture alone, which changes no
     # arithmetic; Inductor's own rounding is test_ddp_trainer's): fp8 as train.compile auto runs it on a GPU, and the
     # small CNN at fp32 (no policy: every block compiled) and at fp16 (each block holds a BatchNorm unit: eager)
@@ -74,7 +70,6 @@ def _runs_worker(rank: int, port: int, folder: str) -> None:
             "frames": dict(counters["frames"]), "breaks": sum(counters["graph_break"].values()),
             "all": {k: {str(a): b for a, b in v.items()} for k, v in counters.items()}}
     torch.compile = inductor
-    out["fp8_frozen_start"] = {k: v.tolist() for k, v in start.items() if k[:2] in ("2.", "3.")}
     # the checkpoint after the first epoch, whole, loaded into a fresh sharded trainer: the second epoch is the same
     # (fp8: its scales those of the loaded weights)
     for variant in ("fp32", "fp8"):
@@ -138,16 +133,12 @@ def test_a_run_under_fsdp_trains_as_under_ddp_and_writes_its_whole_weights(runs)
     assert runs[1]["fp32_fsdp"]["weights"] == {}  # rank 0 alone writes
 
 
-def test_fp8_with_a_frozen_block_under_fsdp_trains_as_under_ddp_and_leaves_the_block_as_it_was(runs):
-    """Fine-tuning under FSDP in fp8: a frozen block's weight is converted and gathered in fp8 like the others but
-    gets no gradient; the run equals DDP's bit for bit and the frozen weight ends as it began."""
+def test_fp8_with_a_frozen_block_under_fsdp_leaves_the_block_as_it_was(runs):
+    """Fine-tuning under FSDP in fp8 (the fp8 runs above, DDP's equal bit for bit): a frozen block's weight is
+    converted and gathered in fp8 like the others but gets no gradient; it ends as it began, and it is counted out
+    of the trained parameters."""
     from tests.test_fsdp import mlp
-    ddp, sharded = runs[0]["fp8_frozen_ddp"], runs[0]["fp8_frozen_fsdp"]
-    assert not sharded["not_made"], sharded["not_made"]
-    torch.testing.assert_close(torch.tensor(sharded["history"]), torch.tensor(ddp["history"]), rtol=0, atol=0)
-    for k, v in ddp["weights"].items():
-        torch.testing.assert_close(torch.tensor(sharded["weights"][k]), torch.tensor(v), rtol=0, atol=0, msg=k)
-    start = runs[0]["fp8_frozen_start"]
+    sharded, start = runs[0]["fp8_fsdp"], runs[0]["fp8_start"]
     assert sorted(start) == ["2.0.bias", "2.0.weight", "3.0.bias", "3.0.weight"]
     for k in ("2.0.bias", "2.0.weight"):  # the frozen block as it began
         assert sharded["weights"][k] == start[k], k
@@ -155,7 +146,6 @@ def test_fp8_with_a_frozen_block_under_fsdp_trains_as_under_ddp_and_leaves_the_b
     model = mlp()
     frozen = sum(q.numel() for q in model[2].parameters())
     assert sharded["fsdp"]["trained_count"] == sum(q.numel() for q in model.parameters()) - frozen
-    assert sharded["fsdp"]["wire_bytes_per_step"]["all_gather"]["by_dtype"]["float8_e4m3fn"]
 
 
 def test_an_fsdp_checkpoint_is_whole_and_resumes_to_the_same_weights(runs):
