@@ -34,6 +34,10 @@ def _gave_up(url: str, why: str) -> MlflowException:
                                                                               "responses')"),
      "the server could not store report.md (HTTP 500 after 3 retries): is its artifact disk full or not writable? "
      "its log says which"),
+    (_gave_up(f"{URL}/mlflow-artifacts/artifacts/1/abc/artifacts/history.csv", "ProtocolError('Connection aborted.', "
+              "ConnectionResetError(104, 'Connection reset by peer'))"),  # a full disk can cut the upload instead
+     "the server closed the connection while storing history.csv after 3 retries: did it stop, or is its artifact "
+     "disk full or not writable? its log says which"),
     (_gave_up(f"{URL}/mlflow/runs/create", "ResponseError('too many 503 error responses')"),
      "the server answered HTTP 503 to /api/2.0/mlflow/runs/create after 3 retries: is its database up? its log "
      "says why"),

@@ -69,8 +69,9 @@ def describe(err: BaseException, experiment: str = "") -> str:
 def gave_up(err: BaseException) -> str | None:
     """A request MLflow's client gave up on after its retries, in one line: the server not answering, a
     connection it cut, or an HTTP 5xx answer; a file it could not store names the likely cause, a disk that is full
-    or not writable (the server's log says which). None for any other error. The whole chain is read: a
-    LoggedModel's failure reaches here wrapped, its text cut short."""
+    or not writable (the server's log says which; a full disk answers an upload with HTTP 500, or cuts it). None
+    for any other error. The whole chain is read: a LoggedModel's failure reaches here wrapped, its text cut
+    short."""
     import re
     from urllib.parse import urlsplit
     text = " ".join(str(e) for e in _chain(err))
@@ -80,14 +81,17 @@ def gave_up(err: BaseException) -> str | None:
     path = urlsplit(asked.group(1)).path
     tries = f"after {_retries()} retries"
     code = re.search(r"too many (\d{3}) error responses", text)
-    if code and "/mlflow-artifacts/artifacts/" in path:
-        return (f"the server could not store {path.rsplit('/', 1)[-1]} (HTTP {code.group(1)} {tries}): is its "
-                "artifact disk full or not writable? its log says which")
+    cut = any(w in text for w in ("RemoteDisconnected", "Connection aborted", "Connection reset", "ConnectionReset"))
+    if "/mlflow-artifacts/artifacts/" in path and (code or cut):  # an upload: a full disk answers 500, or cuts it
+        name = path.rsplit("/", 1)[-1]
+        how = (f"could not store {name} (HTTP {code.group(1)} {tries}):" if code
+               else f"closed the connection while storing {name} {tries}: did it stop, or")
+        return f"the server {how} is its artifact disk full or not writable? its log says which"
     if code:
         return (f"the server answered HTTP {code.group(1)} to {path} {tries}: is its database up? its log says why")
     if "Connection refused" in text or "NewConnectionError" in text:
         return f"the server did not answer (connection refused {tries}): is it running?"
-    if any(w in text for w in ("RemoteDisconnected", "Connection aborted", "Connection reset", "ConnectionReset")):
+    if cut:
         return f"the server closed the connection mid-request {tries} (it stopped or restarted?)"
     if "timed out" in text or "Timeout" in text:
         return f"the server did not answer in time {tries}"
