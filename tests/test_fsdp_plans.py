@@ -107,18 +107,28 @@ def test_the_report_sets_each_fsdp_variant_beside_ddp_s_counts_and_says_what_its
                      r"f32\.$", verdict), verdict
     # fp8's converted weights gathered in fp8 beside the rest in bf16: said so, not "bf16"
     assert "compiled" not in text  # eager: nothing said
-    # compiled under FSDP: block by block, which the head says, with any block left eager
-    said = sharded.lines([dict(f16, compiled_blocks=["7"], eager_blocks=["0", "2"])])[0]
-    assert said.startswith("FSDP (`f16`, 2 processes, bf16 gathered, fp32 reduced, 1 of 3 blocks compiled, the "
-                           "root's own layers eager (left eager: 0, 2, each holding a BatchNorm sharded apart)): ")
+    # fp8's converted weights gathered in fp8 beside the rest in bf16: said so, not "bf16"
     fp8 = dict(f16, wire={"all_gather": {"by_dtype": {"bfloat16": 10, "float8_e4m3fn": 5, "float32": 1}}})
     assert sharded.gathered(fp8) == "float8 and bf16" and sharded.sent(fp8) == "fp32 reduce-scatter, float8 and bf16 "\
         "all-gather"
+    # compiled under FSDP: block by block, which the head says, with any block left eager, and beside a DDP model
+    # compiled whole, that the throughput sets those apart too
+    said = sharded.lines([dict(f32, compiled_blocks=["7"], eager_blocks=["0", "2"], against_compiled=True)])[0]
+    assert said.startswith("FSDP (`f32`, 2 processes, fp32 gathered, fp32 reduced, 1 of 3 blocks compiled, the "
+                           "root's own layers eager (left eager: 0, 2, each holding a BatchNorm sharded apart)) "
+                           "against DDP (`d32`, gradients all-reduced in fp32, compiled whole, where FSDP's blocks "
+                           "left eager are not: the throughput sets the two apart too): "), said
+    # and an fp8 run whose blocks all stayed eager is labelled eager in the summary, as an uncompiled one is
+    from ampbench.report import summary
+    run = {"metrics": {"precision": "fp8", "compiled": True, "fsdp": {"compiled_blocks": [], "eager_blocks": ["0"]}},
+           "history": []}
+    assert (summary._variant("f8", run, None, 0)["eager"], summary._variant("f8", run, None, 0)["compiled"]) == (
+        True, False)
 
 
 def test_compiled_blocks_keep_their_graphs_through_training_and_evaluation_s_shapes(monkeypatch):
     """A ResNet-18's 8 blocks share BasicBlock's code, and each of its distinct blocks needs a graph per shape and
-    grad mode (training's batch; evaluation's, its last, a rank's empty slice): about 35 here, past dynamo's default
+    grad mode (training's batch; evaluation's, its last, a rank's empty slice): about 30 here, past dynamo's default
     limit of 8, at which the rest ran eager. compile_blocks gives them room: no frame given up. (dynamo's capture
     alone, the eager backend: what the limit counts.)"""
     import functools

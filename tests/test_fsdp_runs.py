@@ -1,7 +1,7 @@
 """runner.train under FSDP on 2 gloo ranks (test_distributed's helpers), as the train stage runs it: the same losses
 and weights as DDP at fp32, fp16 and fp8, the weights whole and plain on rank 0, the audit and profile made; and a
 checkpoint, whole, resumed into the shards to the same weights (fp8 with its loaded weights' scales); fp8 with a
-frozen block, and fp8 compiled block by block."""
+frozen block, and fp8, fp32 and fp16 compiled block by block."""
 
 from __future__ import annotations
 
@@ -173,4 +173,5 @@ def test_compiled_under_fsdp_each_block_is_one_graph_and_trains_as_eager(runs):
     assert (f["fp8"]["compiled_blocks"], f["fp8"]["eager_blocks"]) == (["1", "2", "3", "4"], [])
     assert (f["fp32"]["compiled_blocks"], f["fp32"]["eager_blocks"]) == (["0", "2", "4", "7"], [])
     assert (f["amp"]["compiled_blocks"], f["amp"]["eager_blocks"]) == (["7"], ["0", "2", "4"])  # the head: no BN
-    assert main["fp8_compiled"]["graphs"] >= 2 and main["fp32_compiled"]["graphs"] >= 4  # a graph per block or more
+    # a graph per distinct block or more (the mlp's two 64-wide blocks are alike: one graph may serve both)
+    assert main["fp8_compiled"]["graphs"] >= 3 and main["fp32_compiled"]["graphs"] >= 4

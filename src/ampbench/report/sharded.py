@@ -47,6 +47,7 @@ def against_ddp(row: dict, rows: list[dict], metrics: dict[str, dict]) -> dict:
     if base:
         acc, b_acc = row["final_acc"], base["final_acc"]
         out.update(against_grad_comm=base["grad_comm"] or "none",
+                   against_compiled=bool(metrics[base["variant"]].get("compiled")),
                    throughput_ratio=ratio(row["imgs_per_s"], base["imgs_per_s"]),
                    acc_diff=acc - b_acc if acc is not None and b_acc is not None else None,
                    against_peak_mem_bytes=base["peak_mem_bytes"])
@@ -121,8 +122,10 @@ def lines(comparisons: list[dict]) -> list[str]:
                     "No DDP variant of the same precision and accumulation ran here to set its throughput "
                     "beside: add one.", ""]
             continue
+        whole = (", compiled whole, where FSDP's blocks left eager are not: the throughput sets the two apart too"
+                 if c.get("against_compiled") and c.get("eager_blocks") else "")
         out += [f"{head} against DDP (`{c['against']}`, gradients all-reduced in "
-                f"{fmt.dtype({'none': 'float32'}.get(c['against_grad_comm'], c['against_grad_comm']))}): "
+                f"{fmt.dtype({'none': 'float32'}.get(c['against_grad_comm'], c['against_grad_comm']))}{whole}): "
                 f"{fmt.against(c)}. "
                 f"Memory per rank, counted: {_mib(c['memory_per_rank'])} ({parts}) {ddp}. Sent per optimizer step "
                 f"by each rank: {_mib(c['wire_bytes_per_step'])} ({wire}) against "

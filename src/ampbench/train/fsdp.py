@@ -164,11 +164,14 @@ def compile_blocks(model: nn.Module, precision: str, reduce_dtype: str = "fp32")
     import inspect
     compiled, eager = compilable(model, precision, reduce_dtype)
     limit = max(MIN_GRAPHS, GRAPHS_PER_BLOCK * len(compiled))
+    from torch._dynamo import config as dynamo
+    if hasattr(dynamo, "accumulated_recompile_limit"):  # the cap over every compile of one code object
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, limit)
     if "recompile_limit" in inspect.signature(torch.compile).parameters:  # this compile's own limit
         kw = {"recompile_limit": limit}
-    else:  # an older torch: dynamo's one limit for the process
-        from torch._dynamo import config as dynamo
-        dynamo.recompile_limit = max(dynamo.recompile_limit, limit)
+    else:  # an older torch: dynamo's one limit for the process (cache_size_limit before it was renamed)
+        name = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+        setattr(dynamo, name, max(getattr(dynamo, name), limit))
         kw = {}
     for name in compiled:
         block = model.get_submodule(name)
