@@ -50,11 +50,15 @@ def param_dtype(precision: str) -> torch.dtype | None:
     return getattr(torch, a) if a else None
 
 
+def _state(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's per-parameter state tensors (its scalars, a step count, left out)."""
+    return [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+
+
 def state_per_param(opt: torch.optim.Optimizer, trained: int) -> int:
     """The optimizer's state values per trained parameter, as it holds them after a step (SGD's momentum 1, Adam's
     2): its tensors' global sizes (a DTensor's numel is the whole one's) over the trained parameters."""
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-    return round(sum(v.numel() for v in state) / max(1, trained))
+    return round(sum(v.numel() for v in _state(opt)) / max(1, trained))
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -307,7 +311,6 @@ def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan
     def held(tensors) -> int:
         return sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.nbytes for t in tensors)
     p = policy(plan.precision, plan.fsdp_reduce_dtype)
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
     compiled, eager = compilable(model, plan.precision, plan.fsdp_reduce_dtype) if plan.train.compile else ([], [])
     return {"blocks": [n for n, _ in blocks(model)], "compiled_blocks": compiled, "eager_blocks": eager,
@@ -320,4 +323,5 @@ def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan
                                               accum_steps=plan.accum_steps),
             "memory_per_rank": memory_parts(model, world_size, plan.precision, plan.fsdp_reduce_dtype,
                                             state_per_param(opt, trained), plan.accum_steps),
-            "held_here": {"parameters": held(q.detach() for q in model.parameters()), "optimizer_state": held(state)}}
+            "held_here": {"parameters": held(q.detach() for q in model.parameters()),
+                          "optimizer_state": held(_state(opt))}}

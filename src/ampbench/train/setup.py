@@ -73,9 +73,9 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     input_size = models.input_size(plan.model, meta["image_shape"][-1])
     model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
-    if sharded and plan.train.compile:  # each block's forward, its FSDP hooks eager around it
-        fsdp.compile_blocks(model, plan.precision, plan.fsdp_reduce_dtype)
     if sharded:  # before the optimizer, which takes the shards
+        if plan.train.compile:  # each block's forward, its FSDP hooks eager around it
+            fsdp.compile_blocks(model, plan.precision, plan.fsdp_reduce_dtype)
         fsdp.shard(model, world, device.type, plan.precision, plan.fsdp_reduce_dtype)
     # over the trained parameters only, as fine-tuning recipes build it: a frozen one gets no state (SGD's momentum)
     opt = optimizer(plan, [p for p in model.parameters() if p.requires_grad])
