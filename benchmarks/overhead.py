@@ -17,14 +17,18 @@ engine's own overhead, and the target applies to the fastest loop) and with its 
 (what `dvc repro` runs). Each reports img/s after the warm-up steps, data included. The fastest loop also runs
 twice per round, and its ratio to itself (A/A) is the noise floor a ratio is read against: identical work
 whose median and spread say what this machine's drift alone gives. Each round runs the loops in an order of its
-own (a seeded shuffle: no loop always follows the same other). Exit status 1 if the engine's like-for-like
-median ratio to the fastest loop is below --target, or its data time is 5% of its step time or more.
+own (a seeded shuffle: no loop always follows the same other). The process keeps the memory a loop frees
+(benchmarks/heap.py: glibc's malloc told so before any loop, ``--glibc-defaults`` not), so no loop pays for page
+faults that the loops before it caused; the minor page faults of each loop's run are printed. Exit status 1 if the
+engine's like-for-like median ratio to the fastest loop is below --target, or its data time is 5% of its step
+time or more.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import resource
 import statistics
 import sys
 import time
@@ -101,7 +105,11 @@ def main() -> None:
                                                           "a small shared machine, where two threads meet neighbours")
     ap.add_argument("--host", action="store_true", help="host work per step: a model of a few microseconds, the "
                     "engine against the recipe's step, part by part, fp32 and fp16 (benchmarks/host.py)")
+    ap.add_argument("--glibc-defaults", action="store_true", help="leave glibc's malloc as it is (memory freed "
+                    "by a loop given back to the kernel, and faulted in again by a later one)")
     args = ap.parse_args()
+    import heap
+    malloc = "glibc's defaults" if args.glibc_defaults else heap.keep_freed_memory()
     if args.host:
         import host
 
@@ -112,6 +120,7 @@ def main() -> None:
         found = host.run(["fp32", "fp16"], args.rounds, batch=batch, images=400 * batch, device=args.device,
                          world=world)
         if world.main:
+            print(f"heap: {malloc}")
             print("\n".join(host.report(found, batch, args.device, world)))
         distributed.shutdown()
         return
@@ -133,7 +142,7 @@ def main() -> None:
                        profile=ProfileConfig(steps=0))
 
     print(f"{args.arch}, {args.precision}, batch {args.batch}, {args.images} images, {args.device}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; heap: {malloc}")
     print(f"{'round':>5} {'article':>8} {'fastest':>8} {'ampbench':>9} {'/article':>8} {'/fastest':>8} {'data':>6} "
           f"{'+augment':>9} {'/fastest':>8} {'A/A':>6}   (img/s; data = share of the engine's step time; A/A = the "
           "fastest loop's second run over its first)")
@@ -148,11 +157,20 @@ def main() -> None:
         "same": lambda r: runner.train(plan(False), prepared, progress=False).metrics,
         "aug": lambda r: runner.train(plan(True), prepared, progress=False).metrics}
     shuffle = random.Random(0)
+    faults: dict[str, list[int]] = {name: [] for name in loops}  # minor page faults of each loop's run
+
+    def run(name: str, r: int):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        try:
+            return loops[name](r)
+        finally:
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
     for r in range(args.rounds):
         # each round in an order of its own, so a drift in clock speed over a round (a turbo budget, a neighbour)
         # favours no loop, and no loop always runs after the same other (a rotation would keep that)
         order = shuffle.sample(list(loops), len(loops))
-        got = {name: loops[name](r) for name in order}
+        got = {name: run(name, r) for name in order}
         article, fast, same, aug = got["article"], got["fast"], got["same"], got["aug"]
         vs_article.append(same["imgs_per_s"] / article)
         vs_fast.append(same["imgs_per_s"] / fast)
@@ -172,6 +190,8 @@ def main() -> None:
           f"data time {statistics.median(aug_shares):.1%} of step time")
     print(f"the fastest loop against itself (A/A, the noise floor): median {statistics.median(aa):.3f} "
           f"(min {min(aa):.3f}, max {max(aa):.3f})")
+    print("minor page faults per run, median (max): " + ", ".join(
+        f"{name} {statistics.median(v):,.0f} ({max(v):,})" for name, v in faults.items()))
     ok = med >= args.target and share < 0.05
     print(f"target (ampbench/fastest >= {args.target}, data time < 5%): {'met' if ok else 'NOT met'}")
     sys.exit(0 if ok else 1)

@@ -33,6 +33,44 @@ def test_overhead_benchmark_runs(tmp_path):
          "--rounds", "1", "--warmup", "1", "--target", "0"], capture_output=True, text=True, timeout=600)
     assert "ampbench/article's loop, like for like: median" in proc.stdout, proc.stderr[-3000:]
     assert "ampbench/fastest plain loop, like for like: median" in proc.stdout
+    assert "heap: glibc malloc keeping freed memory" in proc.stdout or not sys.platform.startswith("linux")
+    assert "minor page faults per run, median (max): article " in proc.stdout
+
+
+HEAP_PROBE = """
+import ctypes, resource, sys
+import heap
+if sys.argv[1] == "keep":
+    print(heap.keep_freed_memory())
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+size = 64 << 20  # above glibc's largest mmap threshold: mmapped apart and unmapped when freed, by default
+
+def touch():
+    block = libc.malloc(size)
+    ctypes.memset(block, 1, size)
+    libc.free(block)
+
+touch()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touch()  # the same size again: the pages the first one freed, or fresh ones the kernel faults in and zeroes
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_the_benchmark_heap_keeps_freed_memory_so_a_later_loop_faults_no_pages_in():
+    """overhead.py's heap setting: a block freed and asked for again comes back without page faults, where glibc's
+    defaults unmap it and fault all 16,384 of its pages in again."""
+    def faults(mode: str) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], cwd=REPO_ROOT / "benchmarks",
+                             capture_output=True, text=True, timeout=60, check=True).stdout.split("\n")
+        return [line for line in out if line]
+
+    said, kept = faults("keep")
+    assert said.startswith("glibc malloc keeping freed memory") and int(kept) < 100
+    assert int(faults("default")[0]) >= 16000
 
 
 def test_gpu_validate_lists_its_checks_on_a_cpu_and_refuses_to_run_there():
