@@ -307,3 +307,43 @@ def test_fused_sgd_never_reads_memory_its_skipped_first_step_left_unwritten(monk
         weights[impl] = torch.cat([p.detach().flatten() for p in model.parameters()])
     assert torch.isfinite(weights["fused"]).all()
     assert torch.allclose(weights["fused"], weights["foreach"])
+
+
+@pytest.mark.parametrize("variant,impl", [("fp32", "foreach"), ("amp", "fused")])
+def test_the_engines_step_dispatches_the_recipes_ops_and_one_detach(tiny_params, tiny_data, variant, impl):
+    """A step of the engine, counted op by op: fp32's is the AMP recipe's step and the loss's one detach; fp16 with a
+    fused optimizer (whose skips only the device knows, settled at the loop's syncs) adds its schedule's device ops
+    and no second detach: every op the host dispatches is step time on a launch-bound GPU."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ampbench.train import engine
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    tiny_params["variants"][variant]["optimizer_impl"] = impl
+    trainer = engine.Trainer(runplan.make_plan(config.from_dict(tiny_params), variant, "cpu"), tiny_data,
+                             progress=False)
+    x, y = next(trainer.train_batches.epoch(0))
+    trainer.optimizer_step(x, y)  # the optimizer's state made
+    with Ops() as eng:
+        trainer.optimizer_step(x, y)
+    with Ops() as recipe:  # the recipe's step on the same model, optimizer and scaler
+        trainer.opt.zero_grad(set_to_none=True)
+        with trainer.policy.autocast():
+            loss = torch.nn.functional.cross_entropy(trainer.model(x), y)
+        trainer.scaler.scale(loss).backward()
+        trainer.scaler.step(trainer.opt)
+        trainer.scaler.update()
+    extra = eng.seen - recipe.seen
+    assert extra["aten.detach"] == 1 and not recipe.seen - eng.seen
+    if impl == "foreach":
+        assert extra == Counter({"aten.detach": 1})

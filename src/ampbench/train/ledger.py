@@ -142,17 +142,18 @@ class StepLedger:
         return self.taken.count
 
     def record(self, mark: int, loss: torch.Tensor, n: int) -> bool | None:
-        """After a step on ``n`` images whose mean loss is ``loss`` (on the device): True if the scaler skipped it
+        """After a step on ``n`` images whose mean loss is ``loss`` (on the device, detached: ``step.train_step``'s;
+        no op of the ledger's own per step): True if the scaler skipped it
         (an inf/NaN gradient), None where only the device knows yet (a fused optimizer under fp16: ``settle``
         accounts for it at the next sync)."""
         self.step += 1
         if self.deferred:
             found_inf = self.taken.found_inf
             self.sched.step(found_inf)  # on the device: the schedule advances only if the step was taken
-            self._losses.append(loss.detach())  # summed at the next sync, an inf/NaN one as 0 (settle uncounts it)
+            self._losses.append(loss)  # summed at the next sync, an inf/NaN one as 0 (settle uncounts it)
             self._images.append(n)
             self.seen += n
-            self.pending.append((found_inf, loss.detach(), n))
+            self.pending.append((found_inf, loss, n))
             return None
         skipped = self.taken.count == mark  # GradScaler's one sync decided it; no second one here
         nonfinite_loss = False
