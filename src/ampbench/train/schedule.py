@@ -80,31 +80,41 @@ class DeviceSchedule:
 
     A fused optimizer stepped by an enabled GradScaler skips an overflowing step on the device; a host schedule
     would run one step ahead from there until the next sync. Here each param group's ``lr`` is a 0-d float32
-    tensor on the device (fused kernels read it there), and ``step(found_inf)`` adds ``1 - found_inf`` to the
-    count of steps taken and writes ``base_lr * lr_lambda(taken)`` into it, read from a table of ``lr_lambda``'s
-    values: a few scalar kernels, no sync. Exact whatever the sync points, so a resumed run follows the same
-    schedule as an uninterrupted one.
+    tensor on the device (fused kernels read it there), and ``step(found_inf)`` adds ``found_inf == 0`` to the
+    count of steps taken and gathers the group's rate for that count into it, from a table of ``base_lr *
+    lr_lambda(steps)`` made once: four small kernels a step (the comparison, the add, a clamp at the table's end,
+    the gather), each a launch on the host's time, and no sync. Exact whatever the sync points, so a resumed run
+    follows the same schedule as an uninterrupted one.
     """
 
     def __init__(self, opt: torch.optim.Optimizer, total_steps: int):
         self.opt = opt
         device = next(p.device for g in opt.param_groups for p in g["params"])
         f = lr_lambda(total_steps)
-        self.factors = torch.tensor([f(s) for s in range(total_steps + 1)], dtype=torch.float64, device=device)
+        factors = torch.tensor([f(s) for s in range(total_steps + 1)], dtype=torch.float64)
         self.base_lrs = [float(g["lr"]) for g in opt.param_groups]
-        self.taken = torch.zeros((), dtype=torch.long, device=device)
+        # each group's rates, rounded to float32 once as the rate a step reads (the product taken in float64)
+        self.tables = [(factors * base).to(device=device, dtype=torch.float32) for base in self.base_lrs]
+        self.last = total_steps  # past the end: the table's last rate (0, as lr_lambda gives)
+        self.taken = torch.zeros(1, dtype=torch.long, device=device)  # shaped as index_select's index
         for g, base in zip(opt.param_groups, self.base_lrs, strict=True):
             g["lr"] = torch.tensor(base, dtype=torch.float32, device=device)
+        self._hold_rates()
+
+    def _hold_rates(self) -> None:
+        """Each group's lr tensor (which the fused kernels read) as the 1-element view a gather writes into, made
+        once, not per step; then its rate."""
+        self.rates = [g["lr"].view(1) for g in self.opt.param_groups]
         self._write()
 
     def _write(self) -> None:
-        # index_select, not factors[taken]: indexing by a 0-d tensor reads it on the host (a sync on CUDA)
-        factor = self.factors.index_select(0, self.taken.clamp(max=len(self.factors) - 1).view(1)).view(())
-        for g, base in zip(self.opt.param_groups, self.base_lrs, strict=True):
-            g["lr"].copy_(factor * base)
+        # index_select, not table[taken]: indexing by a tensor reads it on the host (a sync on CUDA)
+        index = self.taken.clamp(max=self.last)
+        for table, rate in zip(self.tables, self.rates, strict=True):
+            torch.index_select(table, 0, index, out=rate)
 
     def step(self, found_inf: torch.Tensor) -> None:
-        self.taken += 1 - found_inf.to(self.taken.dtype)
+        self.taken += found_inf == 0  # a step taken where the scaler found no inf/NaN
         self._write()
 
     def get_last_lr(self) -> list[float]:
@@ -118,4 +128,4 @@ class DeviceSchedule:
         self.taken.fill_(state["taken"])
         for g in self.opt.param_groups:
             g["lr"] = torch.zeros((), dtype=torch.float32, device=self.taken.device)
-        self._write()
+        self._hold_rates()
