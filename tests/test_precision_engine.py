@@ -254,3 +254,41 @@ def test_a_trainer_is_freed_when_its_last_reference_goes(tiny_params, tiny_data)
         assert ref() is None
     finally:
         gc.enable()
+
+
+SCHEDULE_ON_DEVICE = {"aten.eq": 1, "aten.add_": 1, "aten.clamp": 1, "aten.index_select": 1}  # DeviceSchedule.step
+
+
+@pytest.mark.parametrize("variant,impl,more", [("fp32", "foreach", {}), ("amp", "fused", SCHEDULE_ON_DEVICE)])
+def test_the_engines_step_dispatches_the_recipes_ops_and_one_detach(tiny_params, tiny_data, variant, impl, more):
+    """A step of the engine, counted op by op against the AMP recipe's step: fp32's is the recipe's and the loss's
+    one detach; fp16 with a fused optimizer (whose skips only the device knows) adds the schedule's four device
+    ops, and no more detaches: every op the host dispatches is step time on a launch-bound GPU."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    tiny_params["variants"][variant]["optimizer_impl"] = impl
+    trainer = engine.Trainer(runplan.make_plan(config.from_dict(tiny_params), variant, "cpu"), tiny_data,
+                             progress=False)
+    x, y = next(trainer.train_batches.epoch(0))
+    trainer.optimizer_step(x, y)  # the optimizer's state made
+    with Ops() as eng:
+        trainer.optimizer_step(x, y)
+    with Ops() as recipe:  # the recipe's step on the same model, optimizer and scaler
+        trainer.opt.zero_grad(set_to_none=True)
+        with trainer.policy.autocast():
+            loss = torch.nn.functional.cross_entropy(trainer.model(x), y)
+        trainer.scaler.scale(loss).backward()
+        trainer.scaler.step(trainer.opt)
+        trainer.scaler.update()
+    assert eng.seen - recipe.seen == Counter({"aten.detach": 1, **more}) and not recipe.seen - eng.seen

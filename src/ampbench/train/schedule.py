@@ -108,7 +108,8 @@ class DeviceSchedule:
         self._write()
 
     def _write(self) -> None:
-        # index_select, not table[taken]: indexing by a tensor reads it on the host (a sync on CUDA)
+        # index_select with out=: the gather writes each group's lr tensor itself, one op (table[index] would make
+        # a tensor to copy in); the index stays on the device, no sync
         index = self.taken.clamp(max=self.last)
         for table, rate in zip(self.tables, self.rates, strict=True):
             torch.index_select(table, 0, index, out=rate)
@@ -125,7 +126,7 @@ class DeviceSchedule:
 
     def load_state_dict(self, state: dict) -> None:
         """After the optimizer's own load (which brings back its groups' saved ``lr``): fresh device tensors."""
-        self.taken.fill_(state["taken"])
+        self.taken.fill_(int(state["taken"] if "taken" in state else state["last_epoch"]))  # as HostSchedule's
         for g in self.opt.param_groups:
             g["lr"] = torch.zeros((), dtype=torch.float32, device=self.taken.device)
         self._hold_rates()
