@@ -89,7 +89,7 @@ class Trainer:
         self.device = device = world.device(torch.device(plan.device).type)
         self.setup = s = setup.build(plan, data["meta"], device, world)  # model, optimizer, policy, scaler...
         if plan.train.compile and fsdp.is_sharded(s.model) and world.main:
-            compiled, eager = fsdp.compilable(s.model, plan.precision, plan.fsdp_reduce_dtype)
+            compiled, eager = s.compiled_blocks
             print(f"[{plan.variant}] torch.compile under FSDP: each block's forward, {len(compiled)} of "
                   f"{len(compiled) + len(eager)} blocks" + (f"; left eager: {', '.join(eager)} (each holds a BatchNorm "
                   "sharded apart in fp32, whose FSDP hooks would break its graph)" if eager else ""))

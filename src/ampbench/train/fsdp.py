@@ -304,16 +304,17 @@ def memory_parts(model: nn.Module, world_size: int, precision: str, reduce_dtype
     return parts
 
 
-def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan) -> dict:
-    """What a sharded run's metrics say of its sharding (``plan``: its RunPlan): the blocks, the dtypes, the bytes
-    on the wire per optimizer step and the memory per rank by part, counted, with what this rank holds of the
-    parameters and the optimizer's state, measured."""
+def describe(model: nn.Module, opt: torch.optim.Optimizer, world_size: int, plan,
+             compiled: tuple[list[str], list[str]] = ([], [])) -> dict:
+    """What a sharded run's metrics say of its sharding (``plan``: its RunPlan): the blocks, those compiled and
+    left eager (``compiled``: ``compile_blocks``' answer), the dtypes, the bytes on the wire per optimizer step and
+    the memory per rank by part, counted, with what this rank holds of the parameters and the optimizer's state,
+    measured."""
     def held(tensors) -> int:
         return sum(t.to_local().numel() * t.element_size() if hasattr(t, "to_local") else t.nbytes for t in tensors)
     p = policy(plan.precision, plan.fsdp_reduce_dtype)
     trained = sum(q.numel() for q in model.parameters() if q.requires_grad)
-    compiled, eager = compilable(model, plan.precision, plan.fsdp_reduce_dtype) if plan.train.compile else ([], [])
-    return {"blocks": [n for n, _ in blocks(model)], "compiled_blocks": compiled, "eager_blocks": eager,
+    return {"blocks": [n for n, _ in blocks(model)], "compiled_blocks": compiled[0], "eager_blocks": compiled[1],
             "world_size": world_size,
             "param_count": sum(q.numel() for q in model.parameters()), "trained_count": trained,
             "state_per_param": state_per_param(opt, trained),

@@ -142,10 +142,9 @@ class StepLedger:
         return self.taken.count
 
     def record(self, mark: int, loss: torch.Tensor, n: int) -> bool | None:
-        """After a step on ``n`` images whose mean loss is ``loss`` (on the device, detached: ``step.train_step``'s;
-        no op of the ledger's own per step): True if the scaler skipped it
-        (an inf/NaN gradient), None where only the device knows yet (a fused optimizer under fp16: ``settle``
-        accounts for it at the next sync)."""
+        """After a step on ``n`` images whose mean loss is ``loss`` (on the device, ``step.train_step``'s, already
+        detached: kept as it is): True if the scaler skipped it (an inf/NaN gradient), None where only the device
+        knows yet (a fused optimizer under fp16: ``settle`` accounts for it at the next sync)."""
         self.step += 1
         if self.deferred:
             found_inf = self.taken.found_inf

@@ -130,7 +130,8 @@ def train(plan: RunPlan, data: dict, *, progress: bool = True, checkpoint_dir: P
     if world.main:
         result.weights = {k: v.detach().to("cpu", copy=True) for k, v in trained.items()}
     if sharded:
-        result.metrics["fsdp"] = fsdp.describe(trainer.model, trainer.opt, world.size, plan)
+        result.metrics["fsdp"] = fsdp.describe(trainer.model, trainer.opt, world.size, plan,
+                                               trainer.setup.compiled_blocks)
     # analyses after training (never inside a timed step): one that fails is a warning and a line in the report
     if plan.amp and plan.amp.audit_batches and world.main:  # on rank 0's model (a whole copy of a sharded one)
         audit = list(itertools.islice(trainer.train_batches.epoch(0), plan.amp.audit_batches))

@@ -31,6 +31,8 @@ class Setup:
     scaler: torch.amp.GradScaler   # disabled (a no-op) unless the precision needs one
     step_model: nn.Module          # what a step calls: the model, compiled or not, inside DDP under torchrun
     input_size: int                # the side of the images the model takes
+    # under FSDP with train.compile: (the blocks compiled, those left eager), as ``fsdp.compile_blocks`` did them
+    compiled_blocks: tuple[list[str], list[str]] = ([], [])
 
     def load_state(self, model: dict, opt: dict, scaler: dict) -> None:
         """Start from another setup's state (a checkpoint's, or the trained model's for the profile); under FSDP a
@@ -73,16 +75,18 @@ def build(plan: RunPlan, meta: dict, device: torch.device,
     input_size = models.input_size(plan.model, meta["image_shape"][-1])
     model = policy.prepare(models.build(plan.model, num_classes=meta["num_classes"], image_size=input_size,
                                              device=device))
+    compiled = ([], [])
     if sharded:  # before the optimizer, which takes the shards
         if plan.train.compile:  # each block's forward, its FSDP hooks eager around it
-            fsdp.compile_blocks(model, plan.precision, plan.fsdp_reduce_dtype)
+            compiled = fsdp.compile_blocks(model, plan.precision, plan.fsdp_reduce_dtype)
         fsdp.shard(model, world, device.type, plan.precision, plan.fsdp_reduce_dtype)
     # over the trained parameters only, as fine-tuning recipes build it: a frozen one gets no state (SGD's momentum)
     opt = optimizer(plan, [p for p in model.parameters() if p.requires_grad])
     if sharded:
         fsdp.after_each_step(model, opt, plan.precision)
     return Setup(plan=plan, policy=policy, model=model, opt=opt, scaler=policy.scaler(),
-                 step_model=model if sharded else distributed.step_model(model, world, plan), input_size=input_size)
+                 step_model=model if sharded else distributed.step_model(model, world, plan), input_size=input_size,
+                 compiled_blocks=compiled)
 
 
 def plain_model(s: Setup, meta: dict, device: torch.device) -> torch.nn.Module:
